@@ -1,0 +1,46 @@
+# The two commands a reader needs: `make book` and `make test`. Both build .venv first.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# Triton kernels run under its interpreter on machines without a GPU.
+export TRITON_INTERPRET ?= 1
+export MPLBACKEND ?= Agg
+export PYTHONHASHSEED ?= 0
+
+.PHONY: venv book test check tangle lint bench clean
+
+venv: $(STAMP)
+$(STAMP): requirements.txt pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet -r requirements.txt
+	$(BIN)/pip install --quiet --no-deps -e .
+	touch $(STAMP)
+
+## Build the book into _build/html, executing every chapter; warnings are errors.
+book: $(STAMP)
+	$(BIN)/jupyter-book build . --warningiserror --keep-going
+
+## Every test: unit and property tests, then every chapter's notebook under nbval.
+test: $(STAMP)
+	$(BIN)/python tools/tangle.py --check
+	$(BIN)/python -m pytest tests chapters --nbval-lax -m "not slow" -q
+
+## Fast checks (under a minute): package and twins in sync, lint, the quick unit tests.
+check: $(STAMP)
+	$(BIN)/python tools/tangle.py --check
+	$(BIN)/ruff check minipaged tests tools bench
+	$(BIN)/python -m pytest tests -m "not slow and not heavy" -q -x
+
+## Regenerate minipaged/*.py and the chapters' .ipynb twins from the chapters.
+tangle: $(STAMP)
+	$(BIN)/python tools/tangle.py
+
+lint: $(STAMP)
+	$(BIN)/ruff check minipaged tests tools bench
+
+bench: $(STAMP)
+	for script in bench/*.py; do $(BIN)/python $$script || exit 1; done
+
+clean:
+	rm -rf _build
