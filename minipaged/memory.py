@@ -4,7 +4,9 @@
 """Chapter 1: what the KV cache costs, and how much of a device an engine gives it."""
 from __future__ import annotations
 
-import math
+import contextlib
+import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -166,7 +168,7 @@ def peak_forward_bytes(run, device: torch.device | str = "cpu") -> int:
         return torch.cuda.max_memory_allocated(device) - before
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with _stderr_silenced(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         run()
     events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
     live = peak = 0
@@ -174,6 +176,20 @@ def peak_forward_bytes(run, device: torch.device | str = "cpu") -> int:
         live += event.nbytes()
         peak = max(peak, live)
     return peak
+
+
+@contextlib.contextmanager
+def _stderr_silenced():
+    """Send C-level stderr to /dev/null (the profiler's tracing chatter) for a moment."""
+    sys.stderr.flush()
+    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(null)
+        os.close(saved)
 
 
 def parameter_bytes(module: torch.nn.Module) -> int:

@@ -47,11 +47,10 @@ class Runtime:
         return cls(device, torch.float32, os.environ.get("MINIPAGED_SCALE", "small"))
 
 
-def glue(name: str, value, display: bool = False):
+def glue(name: str, value, display: bool = False) -> None:
     """Record ``value`` for the book's prose (MyST-NB ``glue``); a no-op outside the book."""
     try:
         from myst_nb import glue as myst_glue
     except ImportError:
-        return value
+        return
     myst_glue(name, value, display=display)
-    return value
