@@ -7,6 +7,9 @@ STAMP := $(VENV)/.installed
 export TRITON_INTERPRET ?= 1
 export MPLBACKEND ?= Agg
 export PYTHONHASHSEED ?= 0
+# nbval stores each chapter it runs cleanly in the book's jupyter-cache (see conftest.py),
+# so `make test` followed by `make book` executes every chapter once.
+export MINIPAGED_SHARE_EXECUTION ?= 1
 
 .PHONY: venv book test check tangle lint bench clean
 
