@@ -79,7 +79,7 @@ class DeviceOutOfMemory(MemoryError):
 
 
 def allocate_until_refused(allocate, release, nbytes: int, limit: int = 1_000_000) -> int:
-    """Allocate nbytes at a time until refused (or limit is hit), free everything, return the count."""
+    """Allocate nbytes at a time until refused (or until limit), free it all, return the count."""
     _require_positive("nbytes", nbytes)
     held = []
     try:
@@ -168,7 +168,8 @@ def peak_forward_bytes(run, device: torch.device | str = "cpu") -> int:
         return torch.cuda.max_memory_allocated(device) - before
     from torch.profiler import ProfilerActivity, profile
 
-    with _stderr_silenced(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with _stderr_silenced(), profile(activities=[ProfilerActivity.CPU],
+                                     profile_memory=True) as prof:
         run()
     events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
     live = peak = 0

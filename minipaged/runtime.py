@@ -39,8 +39,8 @@ class Runtime:
         ``MINIPAGED_DEVICE`` (``cpu`` or ``cuda``) and ``MINIPAGED_SCALE`` (``small`` or
         ``full``) override the choice.
         """
-        name = os.environ.get("MINIPAGED_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
-        device = torch.device(name)
+        default = "cuda" if torch.cuda.is_available() else "cpu"
+        device = torch.device(os.environ.get("MINIPAGED_DEVICE") or default)
         if device.type == "cuda":
             return cls(device, torch.float16, os.environ.get("MINIPAGED_SCALE", "full"),
                        torch.cuda.get_device_name(device))

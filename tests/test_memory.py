@@ -5,10 +5,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from minipaged.memory import (
-    GiB,
-    MiB,
     PRESETS,
     QWEN2_5_0_5B,
+    GiB,
+    MiB,
     ModelShape,
     SimulatedDevice,
     allocate_until_refused,

@@ -39,7 +39,8 @@ def test_check_catches_a_hand_edited_generated_file(tmp_path):
 def test_check_catches_a_stale_twin_and_tangle_repairs_it(tmp_path):
     repo = copy_of_repo(tmp_path)
     chapter = repo / "chapters" / "01_kv_memory.md"
-    chapter.write_text(chapter.read_text() + "\n```{code-cell} ipython3\n#| export\nEXTRA = 1\n```\n")
+    extra = "\n```{code-cell} ipython3\n#| export\nEXTRA = 1\n```\n"
+    chapter.write_text(chapter.read_text() + extra)
     result = check(repo)
     assert result.returncode == 1
     assert "01_kv_memory.ipynb differs" in result.stderr

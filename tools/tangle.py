@@ -175,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
         if problems:
             print("Edit the chapters, not the package; then run `make tangle`.", file=sys.stderr)
         return 1 if problems else 0
-    for stale in list((ROOT / "minipaged").glob("*.py")) + list((ROOT / "chapters").glob("*.ipynb")):
+    generated = list((ROOT / "minipaged").glob("*.py")) + list((ROOT / "chapters").glob("*.ipynb"))
+    for stale in generated:
         if stale not in expected:
             stale.unlink()
     for path, text in expected.items():
