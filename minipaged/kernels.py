@@ -218,3 +218,142 @@ def contiguous_decode_attention(query, keys_values, seq_lens, scale=None,
     seq_lens = torch.as_tensor(seq_lens)
     return _launch_decode(query, keys_values, seq_lens.to(query.device), seq_lens, scale, False,
                           False, tile_size, num_splits)
+
+
+@triton.jit
+def _store_kv_kernel(key_ptr, value_ptr, cache_ptr, slot_mapping_ptr, stride_kt, stride_kh,
+                     stride_vt, stride_vh, block_stride, kv_stride, slot_stride,
+                     HEAD_DIM: tl.constexpr, WIDTH: tl.constexpr, WIDTH_PAD: tl.constexpr,
+                     BLOCK_SIZE: tl.constexpr):
+    """Write one token's keys and values (all KV heads) into its slot; slot -1 is skipped."""
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    lanes = tl.arange(0, WIDTH_PAD)
+    keep = (lanes < WIDTH) & (slot + 0 * lanes >= 0)  # slot -1: store nothing
+    head, dim = lanes // HEAD_DIM, lanes % HEAD_DIM
+    key = tl.load(key_ptr + token * stride_kt + head * stride_kh + dim, mask=keep)
+    value = tl.load(value_ptr + token * stride_vt + head * stride_vh + dim, mask=keep)
+    target = cache_ptr + (slot // BLOCK_SIZE) * block_stride + (slot % BLOCK_SIZE) * slot_stride
+    tl.store(target + lanes, key.to(cache_ptr.dtype.element_ty), mask=keep)
+    tl.store(target + kv_stride + lanes, value.to(cache_ptr.dtype.element_ty), mask=keep)
+
+
+def triton_store_kv(key, value, kv_cache_layer, slot_mapping) -> None:
+    """Write key and value [T, Hkv, D] into kv_cache_layer through slot_mapping [T]."""
+    num_blocks, _, block_size, width = kv_cache_layer.shape
+    if key.dim() != 3 or key.shape != value.shape or key.shape[1] * key.shape[2] != width:
+        raise ValueError(f"key and value must both be [T, num_kv_heads, head_dim] with heads x "
+                         f"dim = {width}, got {tuple(key.shape)} and {tuple(value.shape)}")
+    slot_mapping = torch.as_tensor(slot_mapping, device=key.device).long()
+    if slot_mapping.shape != (key.shape[0],):
+        raise ValueError(f"slot_mapping must be [T={key.shape[0]}], got {tuple(slot_mapping.shape)}")
+    if key.stride(2) != 1 or value.stride(2) != 1 or kv_cache_layer.stride(-1) != 1:
+        raise ValueError("key, value and kv_cache_layer must be contiguous in their last dimension")
+    if key.shape[0] and bool(((slot_mapping < -1) | (slot_mapping >= num_blocks * block_size)).any()):
+        raise ValueError(f"slot_mapping holds a slot outside the pool's {num_blocks * block_size} "
+                         "slots (or below -1)")
+    if key.shape[0]:
+        _store_kv_kernel[(key.shape[0],)](
+            key, value, kv_cache_layer, slot_mapping, key.stride(0), key.stride(1),
+            value.stride(0), value.stride(1), kv_cache_layer.stride(0), kv_cache_layer.stride(1),
+            kv_cache_layer.stride(2), HEAD_DIM=key.shape[2], WIDTH=width,
+            WIDTH_PAD=triton.next_power_of_2(width), BLOCK_SIZE=block_size)
+
+
+@triton.jit
+def _extend_kernel(out_ptr, q_ptr, cache_ptr, table_ptr, seq_lens_ptr, query_start_ptr,
+                   stride_qt, stride_qh, stride_ot, stride_oh, stride_table, block_stride,
+                   kv_stride, slot_stride, scale_log2, GROUP: tl.constexpr,
+                   GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                   BLOCK_M: tl.constexpr, TILE: tl.constexpr, PRECISION: tl.constexpr):
+    """BLOCK_M query tokens of one sequence, all query heads of one KV head, causal."""
+    seq, kv_head, m_start = tl.program_id(0), tl.program_id(1), tl.program_id(2) * BLOCK_M
+    seq_len = tl.load(seq_lens_ptr + seq)
+    q_first = tl.load(query_start_ptr + seq)
+    q_len = tl.load(query_start_ptr + seq + 1) - q_first
+    rows, dims = tl.arange(0, BLOCK_M * GROUP_PAD), tl.arange(0, HEAD_DIM)
+    token = m_start + rows // GROUP_PAD  # row = (query token, head within the group)
+    heads = kv_head * GROUP + rows % GROUP_PAD
+    real = (token < q_len) & (rows % GROUP_PAD < GROUP)
+    position = seq_len - q_len + token
+    q_rows = (q_first + token).to(tl.int64)
+    q = tl.load(q_ptr + q_rows[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :],
+                mask=real[:, None], other=0.0)
+    base = cache_ptr + kv_head * HEAD_DIM + dims[None, :]
+    table_row = table_ptr + seq.to(tl.int64) * stride_table
+    end = tl.where(m_start < q_len, tl.minimum(seq_len, seq_len - q_len + m_start + BLOCK_M), 0)
+    m_i = tl.full((BLOCK_M * GROUP_PAD,), -1.0e30, tl.float32)
+    l_i = tl.zeros((BLOCK_M * GROUP_PAD,), tl.float32)
+    acc = tl.zeros((BLOCK_M * GROUP_PAD, HEAD_DIM), tl.float32)
+    for start in range(0, end, TILE):
+        offsets, inside = _tile_offsets(table_row, start, seq_len, block_stride, slot_stride,
+                                        True, False, BLOCK_SIZE, TILE)
+        keys, values = _load_tile(base, kv_stride, offsets, inside)
+        causal = (start + tl.arange(0, TILE))[None, :] <= position[:, None]
+        m_i, l_i, acc = _online_softmax_step(q, keys, values, causal & inside[None, :], m_i, l_i,
+                                             acc, scale_log2, PRECISION)
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=real[:, None])
+
+
+def extend_attention(query, kv_cache_layer, block_tables, seq_lens, query_start_loc,
+                     scale=None, block_m: int = 16, tile_size: int = 32) -> torch.Tensor:
+    """Causal attention of many query tokens per sequence over a paged context (prefill)."""
+    num_kv_heads, group, head_dim = _head_geometry(query, kv_cache_layer.shape[-1])
+    check_block_size(kv_cache_layer.shape[2])
+    device = query.device
+    seq_lens = torch.as_tensor(seq_lens, device=device).to(torch.int32)
+    query_start_loc = torch.as_tensor(query_start_loc, device=device).to(torch.int32)
+    block_tables = torch.as_tensor(block_tables, device=device)
+    num_seqs = seq_lens.shape[0]
+    if query_start_loc.shape != (num_seqs + 1,) or block_tables.dim() != 2 \
+            or block_tables.shape[0] != num_seqs:
+        raise ValueError(f"query_start_loc must be [S+1] and block_tables [S, max_blocks] for "
+                         f"S={num_seqs}, got {tuple(query_start_loc.shape)} and "
+                         f"{tuple(block_tables.shape)}")
+    out = torch.empty_like(query)
+    longest_query = int((query_start_loc[1:] - query_start_loc[:-1]).max()) if num_seqs else 0
+    if longest_query == 0:
+        return out
+    _extend_kernel[(num_seqs, num_kv_heads, triton.cdiv(longest_query, block_m))](
+        out, query, kv_cache_layer, block_tables, seq_lens, query_start_loc, query.stride(0),
+        query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        kv_cache_layer.stride(0), kv_cache_layer.stride(1), kv_cache_layer.stride(2),
+        (head_dim ** -0.5 if scale is None else scale) * LOG2_E, GROUP=group,
+        GROUP_PAD=triton.next_power_of_2(group), HEAD_DIM=head_dim,
+        BLOCK_SIZE=kv_cache_layer.shape[2], BLOCK_M=block_m, TILE=tile_size,
+        PRECISION=_dot_precision(kv_cache_layer.dtype))
+    return out
+
+
+BACKENDS = ("auto", "torch", "triton")
+
+
+def _resolve(backend: str, tensor: torch.Tensor) -> str:
+    """The implementation a backend name means for a tensor on this device."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "triton" if tensor.is_cuda else "torch"
+    return backend
+
+
+def store_kv(key, value, kv_cache_layer, slot_mapping, backend: str = "auto") -> None:
+    """Write new keys and values into the paged cache through slot_mapping (-1 skips a token)."""
+    if _resolve(backend, kv_cache_layer) == "torch":
+        return reference_store_kv(key, value, kv_cache_layer, slot_mapping)
+    return triton_store_kv(key, value, kv_cache_layer, slot_mapping)
+
+
+def paged_attention(query, kv_cache_layer, block_tables, seq_lens, query_start_loc, scale=None,
+                    backend: str = "auto") -> torch.Tensor:
+    """Attention of every query token over its sequence's paged context, causal, GQA."""
+    if _resolve(backend, query) == "torch":
+        return reference_paged_attention(query, kv_cache_layer, block_tables, seq_lens,
+                                         query_start_loc, scale)
+    query_start_loc = torch.as_tensor(query_start_loc, device=query.device)
+    num_seqs = query_start_loc.shape[0] - 1
+    if query.shape[0] == num_seqs and bool((query_start_loc.diff() == 1).all()):
+        return decode_attention(query, kv_cache_layer, block_tables, seq_lens, scale)
+    return extend_attention(query, kv_cache_layer, block_tables, seq_lens, query_start_loc, scale)
