@@ -1,0 +1,364 @@
+"""The Qwen2 model on the paged cache, checked against transformers' Qwen2ForCausalLM."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minipaged.kv_cache import KVCache
+from minipaged.model import (
+    AttentionMetadata,
+    ModelConfig,
+    Qwen2ForCausalLM,
+    load_model,
+    prepare_metadata,
+    random_model,
+    save_pretrained,
+    to_transformers,
+)
+
+transformers = pytest.importorskip("transformers")
+
+QWEN_CONFIG = {
+    "model_type": "qwen2", "vocab_size": 151936, "hidden_size": 896, "intermediate_size": 4864,
+    "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
+    "max_position_embeddings": 32768, "rope_theta": 1000000.0, "rms_norm_eps": 1e-06,
+    "tie_word_embeddings": True, "eos_token_id": 151645, "use_sliding_window": False,
+}
+BLOCK_SIZE = 4
+TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="module")
+def config() -> ModelConfig:
+    return ModelConfig.small(num_layers=2, vocab_size=256)
+
+
+@pytest.fixture(scope="module")
+def model(config) -> Qwen2ForCausalLM:
+    return random_model(config, seed=3, attention_backend="torch")
+
+
+@pytest.fixture(scope="module")
+def peer(model):
+    return to_transformers(model)
+
+
+def reference_logits(peer, prompt: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return peer(torch.tensor([prompt])).logits[0].float()
+
+
+def make_prompts(lengths, vocab_size, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab_size, (n,), generator=generator).tolist() for n in lengths]
+
+
+def scattered_tables(lengths, extra_blocks=5, seed=0):
+    """Block tables over a shuffled pool: no sequence's blocks adjacent or in order."""
+    needed = [-(-n // BLOCK_SIZE) for n in lengths]
+    num_blocks = sum(needed) + extra_blocks
+    order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
+    tables, taken = [], 0
+    for n in needed:
+        tables.append(order[taken: taken + n])
+        taken += n
+    return tables, num_blocks
+
+
+def new_cache(config, num_blocks):
+    return KVCache(config.num_hidden_layers, num_blocks, BLOCK_SIZE, config.num_key_value_heads,
+                   config.head_dim)
+
+
+def run_schedule(model, prompts, tables, num_blocks, chunks):
+    """Feed each prompt in the given chunk sizes, all sequences together; logits per position."""
+    cache = new_cache(model.config, num_blocks)
+    computed = [0] * len(prompts)
+    outputs = [[] for _ in prompts]
+    for step in range(max(len(c) for c in chunks)):
+        alive = [s for s in range(len(prompts)) if step < len(chunks[s])]
+        sizes = [chunks[s][step] for s in alive]
+        metadata = prepare_metadata([tables[s] for s in alive], [computed[s] for s in alive],
+                                    sizes, BLOCK_SIZE, logits_at_every_token=True)
+        ids = [t for s, n in zip(alive, sizes) for t in prompts[s][computed[s]: computed[s] + n]]
+        logits = model(torch.tensor(ids), metadata, cache)
+        for s, rows in zip(alive, logits.split(sizes)):
+            outputs[s].append(rows)
+            computed[s] += rows.shape[0]
+    return [torch.cat(rows) for rows in outputs]
+
+
+# --- configuration -------------------------------------------------------------------------
+
+def test_config_from_the_real_checkpoint():
+    config = ModelConfig.from_hf_config(QWEN_CONFIG)
+    assert config.head_dim == 64 and config.num_key_value_heads == 2
+    assert config.kv_bytes_per_token(2) == 12_288
+    assert config.eos_token_id == 151645
+
+
+def test_config_reads_rope_parameters_and_eos_lists():
+    hf = dict(QWEN_CONFIG, eos_token_id=[7, 8])
+    del hf["rope_theta"]
+    hf["rope_parameters"] = {"rope_theta": 5000.0, "rope_type": "default"}
+    config = ModelConfig.from_hf_config(hf)
+    assert config.rope_theta == 5000.0 and config.eos_token_id == 7
+
+
+def test_config_round_trips_through_hf_dict(config):
+    assert ModelConfig.from_hf_config(config.to_hf_config()) == config
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"model_type": "llama"}, "model_type"),
+    ({"use_sliding_window": True}, "use_sliding_window"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling"),
+    ({"num_key_value_heads": 3}, "num_key_value_heads"),
+    ({"hidden_size": 0}, "hidden_size"),
+])
+def test_config_refuses_what_it_cannot_run(change, field):
+    with pytest.raises(ValueError, match=field):
+        ModelConfig.from_hf_config(QWEN_CONFIG | change)
+
+
+def test_small_keeps_the_real_head_geometry():
+    config = ModelConfig.small()
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (14, 2, 64)
+
+
+def test_real_parameter_count():
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(ModelConfig.from_hf_config(QWEN_CONFIG))
+    assert sum(p.numel() for p in model.parameters()) == 494_032_768
+
+
+# --- metadata ------------------------------------------------------------------------------
+
+def test_prepare_metadata_by_hand():
+    metadata = prepare_metadata([[3, 9], [4, 7]], [6, 0], [1, 5], block_size=4)
+    assert metadata.positions.tolist() == [6, 0, 1, 2, 3, 4]
+    assert metadata.slot_mapping.tolist() == [38, 16, 17, 18, 19, 28]
+    assert metadata.seq_lens.tolist() == [7, 5]
+    assert metadata.query_start_loc.tolist() == [0, 1, 6]
+    assert metadata.logits_indices.tolist() == [0, 5]
+    assert (metadata.num_tokens, metadata.num_seqs) == (6, 2)
+
+
+def test_prepare_metadata_pads_block_tables():
+    metadata = prepare_metadata([[5], [1, 2, 3]], [0, 0], [2, 9], block_size=4,
+                                logits_at_every_token=True)
+    assert metadata.block_tables.shape == (2, 3)
+    assert metadata.block_tables[1].tolist() == [1, 2, 3]
+    assert metadata.logits_indices is None
+
+
+@pytest.mark.parametrize("tables, computed, scheduled, field", [
+    ([[1]], [4], [1], "block_tables"),
+    ([[1], [2]], [0], [1, 1], "num_computed_tokens"),
+    ([[1]], [0], [0], "num_scheduled_tokens"),
+])
+def test_prepare_metadata_refuses_bad_input(tables, computed, scheduled, field):
+    with pytest.raises(ValueError, match=field):
+        prepare_metadata(tables, computed, scheduled, block_size=4)
+
+
+# --- the forward pass against transformers ---------------------------------------------------
+
+LENGTHS = [3, 17, 30]
+
+
+def test_prefill_logits_at_every_position(model, peer, config):
+    prompts = make_prompts(LENGTHS, config.vocab_size)
+    tables, num_blocks = scattered_tables(LENGTHS)
+    outputs = run_schedule(model, prompts, tables, num_blocks, [[n] for n in LENGTHS])
+    for prompt, logits in zip(prompts, outputs):
+        torch.testing.assert_close(logits, reference_logits(peer, prompt), atol=TOLERANCE, rtol=0)
+
+
+def test_token_by_token_through_scattered_blocks(model, peer, config):
+    prompts = make_prompts(LENGTHS, config.vocab_size, seed=1)
+    tables, num_blocks = scattered_tables(LENGTHS, seed=1)
+    outputs = run_schedule(model, prompts, tables, num_blocks, [[1] * n for n in LENGTHS])
+    for prompt, logits in zip(prompts, outputs):
+        torch.testing.assert_close(logits, reference_logits(peer, prompt), atol=TOLERANCE, rtol=0)
+
+
+def test_chunked_prefill(model, peer, config):
+    prompts = make_prompts(LENGTHS, config.vocab_size, seed=2)
+    tables, num_blocks = scattered_tables(LENGTHS, seed=2)
+    chunks = [[5] * (n // 5) + ([n % 5] if n % 5 else []) for n in LENGTHS]
+    outputs = run_schedule(model, prompts, tables, num_blocks, chunks)
+    for prompt, logits in zip(prompts, outputs):
+        torch.testing.assert_close(logits, reference_logits(peer, prompt), atol=TOLERANCE, rtol=0)
+
+
+@settings(max_examples=8, deadline=None)
+@given(st.lists(st.integers(1, 9), min_size=1, max_size=6), st.integers(0, 1000))
+def test_any_chunking_gives_the_prefill_logits(model, peer, config, chunks, seed):
+    length = sum(chunks)
+    prompts = make_prompts([length], config.vocab_size, seed=seed)
+    tables, num_blocks = scattered_tables([length], seed=seed)
+    (logits,) = run_schedule(model, prompts, tables, num_blocks, [chunks])
+    torch.testing.assert_close(logits, reference_logits(peer, prompts[0]), atol=TOLERANCE, rtol=0)
+
+
+def test_logits_indices_pick_the_last_token_of_each_sequence(model, peer, config):
+    prompts = make_prompts([4, 9], config.vocab_size, seed=4)
+    tables, num_blocks = scattered_tables([4, 9], seed=4)
+    metadata = prepare_metadata(tables, [0, 0], [4, 9], BLOCK_SIZE)
+    ids = torch.tensor(prompts[0] + prompts[1])
+    logits = model(ids, metadata, new_cache(config, num_blocks))
+    assert logits.shape == (2, config.vocab_size) and logits.dtype == torch.float32
+    for row, prompt in zip(logits, prompts):
+        torch.testing.assert_close(row, reference_logits(peer, prompt)[-1], atol=TOLERANCE, rtol=0)
+
+
+def test_untied_head(config):
+    untied = ModelConfig.small(num_layers=1, vocab_size=128).to_hf_config()
+    untied = ModelConfig.from_hf_config(untied | {"tie_word_embeddings": False})
+    model = random_model(untied, seed=5)
+    assert model.lm_head.weight is not model.model.embed_tokens.weight
+    prompt = make_prompts([6], untied.vocab_size)[0]
+    (logits,) = run_schedule(model, [prompt], [[0, 1]], 2, [[6]])
+    torch.testing.assert_close(logits, reference_logits(to_transformers(model), prompt),
+                               atol=TOLERANCE, rtol=0)
+
+
+def greedy(model, prompt, max_new_tokens):
+    num_blocks = -(-(len(prompt) + max_new_tokens) // BLOCK_SIZE)
+    table = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(9)).tolist()
+    cache, tokens, computed = new_cache(model.config, num_blocks), list(prompt), 0
+    for _ in range(max_new_tokens):
+        metadata = prepare_metadata([table], [computed], [len(tokens) - computed], BLOCK_SIZE)
+        logits = model(torch.tensor(tokens[computed:]), metadata, cache)
+        computed = len(tokens)
+        tokens.append(int(logits[-1].argmax()))
+    return tokens[len(prompt):]
+
+
+def test_greedy_continuations_vary_and_match_generate(model, peer, config):
+    for prompt in make_prompts([5, 12], config.vocab_size, seed=6):
+        ours = greedy(model, prompt, 20)
+        ids = torch.tensor([prompt])
+        theirs = peer.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20,
+                               min_new_tokens=20, do_sample=False, pad_token_id=0)
+        assert ours == theirs[0, len(prompt):].tolist()
+        assert len(set(ours)) > 3  # the initialisation scale keeps greedy output from one token
+
+
+# --- weights ------------------------------------------------------------------------------
+
+def random_transformers_model(config: ModelConfig, seed: int = 0):
+    """transformers' own Qwen2 with every tensor (biases and norms too) drawn at random."""
+    torch.manual_seed(seed)
+    hf = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**config.to_hf_config()))
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            param.normal_(1.0 if "norm" in name else 0.0, 0.1)
+    return hf.eval()
+
+
+def test_load_model_reads_a_transformers_checkpoint(tmp_path, config):
+    hf = random_transformers_model(config)
+    hf.save_pretrained(tmp_path)
+    assert (tmp_path / "config.json").exists() and list(tmp_path.glob("*.safetensors"))
+    model = load_model(tmp_path)
+    assert model.config == config
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    prompt = make_prompts([11], config.vocab_size, seed=7)[0]
+    tables, num_blocks = scattered_tables([11], seed=7)
+    (logits,) = run_schedule(model, [prompt], tables, num_blocks, [[4, 4, 3]])
+    torch.testing.assert_close(logits, reference_logits(hf, prompt), atol=TOLERANCE, rtol=0)
+
+
+def test_save_pretrained_is_read_by_transformers(tmp_path, model):
+    save_pretrained(model, tmp_path)
+    hf, info = transformers.Qwen2ForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
+    again = load_model(tmp_path)
+    for (name, a), b in zip(model.state_dict().items(), again.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_load_model_in_another_dtype(tmp_path, model):
+    save_pretrained(model, tmp_path)
+    half = load_model(tmp_path, dtype=torch.bfloat16)
+    assert all(p.dtype == torch.bfloat16 for p in half.parameters())
+
+
+def test_load_model_refuses_a_directory_without_a_checkpoint(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(QWEN_CONFIG))
+    with pytest.raises(ValueError, match="safetensors"):
+        load_model(tmp_path)
+
+
+def test_load_weights_refuses_unknown_wrong_and_missing_tensors(model, config):
+    weights = model.hf_state_dict()
+    fresh = Qwen2ForCausalLM(config)
+    with pytest.raises(ValueError, match="no place"):
+        fresh.load_weights(list(weights.items()) + [("model.extra.weight", torch.zeros(1))])
+    wrong = dict(weights, **{"model.norm.weight": torch.zeros(3)})
+    with pytest.raises(ValueError, match="model.norm.weight"):
+        fresh.load_weights(wrong.items())
+    partial = {k: v for k, v in weights.items() if "layers.1.self_attn.k_proj" not in k}
+    with pytest.raises(ValueError, match="k_proj"):
+        fresh.load_weights(partial.items())
+
+
+def test_hf_state_dict_uses_transformers_names(model, peer):
+    assert set(model.hf_state_dict()) | {"lm_head.weight"} == set(peer.state_dict())
+
+
+# --- input checks ---------------------------------------------------------------------------
+
+def test_forward_refuses_mismatched_inputs(model, config):
+    metadata = prepare_metadata([[0]], [0], [2], BLOCK_SIZE)
+    cache = new_cache(config, 1)
+    with pytest.raises(ValueError, match="input_ids"):
+        model(torch.tensor([1, 2, 3]), metadata, cache)
+    with pytest.raises(ValueError, match="vocab_size"):
+        model(torch.tensor([1, config.vocab_size]), metadata, cache)
+    with pytest.raises(ValueError, match="layers"):
+        model(torch.tensor([1, 2]), metadata, KVCache(1, 1, BLOCK_SIZE, 2, 64))
+    with pytest.raises(ValueError, match="KV heads"):
+        model(torch.tensor([1, 2]), metadata, KVCache(2, 1, BLOCK_SIZE, 1, 64))
+
+
+def test_refuses_unknown_backend_and_scale(config):
+    with pytest.raises(ValueError, match="attention_backend"):
+        Qwen2ForCausalLM(config, attention_backend="flash")
+    with pytest.raises(ValueError, match="initializer_range"):
+        random_model(config, initializer_range=0)
+
+
+def test_metadata_is_a_plain_argument(model, config):
+    """Two caches, two metadata objects, interleaved: nothing is shared through globals."""
+    prompts = make_prompts([6, 6], config.vocab_size, seed=8)
+    caches = [new_cache(config, 2), new_cache(config, 2)]
+    last = []
+    for prompt, cache in zip(prompts, caches):
+        metadata = prepare_metadata([[1, 0]], [0], [6], BLOCK_SIZE)
+        assert isinstance(metadata, AttentionMetadata)
+        last.append(model(torch.tensor(prompt), metadata, cache))
+    for prompt, logits in zip(prompts, last):
+        (alone,) = run_schedule(model, [prompt], [[1, 0]], 2, [[6]])
+        torch.testing.assert_close(logits[0], alone[-1])
+
+
+# --- the Triton kernels under the interpreter ------------------------------------------------
+
+@pytest.mark.heavy
+def test_triton_backend_matches_torch():
+    config = ModelConfig.small(num_layers=1, vocab_size=64, hidden_size=64, intermediate_size=64)
+    triton_model = random_model(config, seed=11, attention_backend="triton")
+    torch_model = random_model(config, seed=11, attention_backend="torch")
+    prompt = make_prompts([5], config.vocab_size, seed=11)[0] + [0, 0]
+    tables, num_blocks = scattered_tables([7], seed=11)
+    chunks = [[5, 1, 1]]  # a prefill, then two decode steps
+    (ours,) = run_schedule(triton_model, [prompt], tables, num_blocks, chunks)
+    (reference,) = run_schedule(torch_model, [prompt], tables, num_blocks, chunks)
+    torch.testing.assert_close(ours, reference, atol=TOLERANCE, rtol=0)
