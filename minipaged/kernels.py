@@ -113,7 +113,8 @@ def _merge_splits_kernel(out_ptr, part_out_ptr, part_lse_ptr, query_start_ptr, s
     weights = tl.exp2(lse - tl.max(lse, 0))
     parts = tl.load(part_out_ptr + row[:, None] * HEAD_DIM + dims[None, :])
     out = tl.sum(parts * weights[:, None], 0) / tl.sum(weights, 0)
-    tl.store(out_ptr + token * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + dims,
+             out.to(out_ptr.dtype.element_ty))
 
 
 def check_block_size(block_size: int) -> int:
@@ -246,10 +247,12 @@ def triton_store_kv(key, value, kv_cache_layer, slot_mapping) -> None:
                          f"dim = {width}, got {tuple(key.shape)} and {tuple(value.shape)}")
     slot_mapping = torch.as_tensor(slot_mapping, device=key.device).long()
     if slot_mapping.shape != (key.shape[0],):
-        raise ValueError(f"slot_mapping must be [T={key.shape[0]}], got {tuple(slot_mapping.shape)}")
+        raise ValueError(f"slot_mapping must be [T={key.shape[0]}], "
+                         f"got {tuple(slot_mapping.shape)}")
     if key.stride(2) != 1 or value.stride(2) != 1 or kv_cache_layer.stride(-1) != 1:
         raise ValueError("key, value and kv_cache_layer must be contiguous in their last dimension")
-    if key.shape[0] and bool(((slot_mapping < -1) | (slot_mapping >= num_blocks * block_size)).any()):
+    outside = (slot_mapping < -1) | (slot_mapping >= num_blocks * block_size)
+    if key.shape[0] and bool(outside.any()):
         raise ValueError(f"slot_mapping holds a slot outside the pool's {num_blocks * block_size} "
                          "slots (or below -1)")
     if key.shape[0]:
