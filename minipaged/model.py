@@ -55,6 +55,8 @@ def _from_hf_config(cls, config: Mapping) -> ModelConfig:
     config = dict(config)
     if config.get("model_type", "qwen2") != "qwen2":
         raise ValueError(f"model_type is {config['model_type']!r}; only 'qwen2' is supported")
+    if config.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act is {config['hidden_act']!r}; Qwen2's MLP uses silu")
     if config.get("use_sliding_window"):
         raise ValueError("use_sliding_window is set; this model attends to the whole context")
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}

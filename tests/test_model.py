@@ -22,11 +22,16 @@ from minipaged.model import (
 
 transformers = pytest.importorskip("transformers")
 
+# Qwen/Qwen2.5-0.5B-Instruct's config.json, every key of it.
 QWEN_CONFIG = {
-    "model_type": "qwen2", "vocab_size": 151936, "hidden_size": 896, "intermediate_size": 4864,
-    "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
-    "max_position_embeddings": 32768, "rope_theta": 1000000.0, "rms_norm_eps": 1e-06,
-    "tie_word_embeddings": True, "eos_token_id": 151645, "use_sliding_window": False,
+    "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643,
+    "eos_token_id": 151645, "hidden_act": "silu", "hidden_size": 896, "initializer_range": 0.02,
+    "intermediate_size": 4864, "max_position_embeddings": 32768, "max_window_layers": 21,
+    "model_type": "qwen2", "num_attention_heads": 14, "num_hidden_layers": 24,
+    "num_key_value_heads": 2, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+    "sliding_window": 32768, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+    "transformers_version": "4.43.1", "use_cache": True, "use_sliding_window": False,
+    "vocab_size": 151936,
 }
 BLOCK_SIZE = 4
 TOLERANCE = 1e-4
@@ -116,6 +121,7 @@ def test_config_round_trips_through_hf_dict(config):
 @pytest.mark.parametrize("change, field", [
     ({"model_type": "llama"}, "model_type"),
     ({"use_sliding_window": True}, "use_sliding_window"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling"),
     ({"num_key_value_heads": 3}, "num_key_value_heads"),
     ({"hidden_size": 0}, "hidden_size"),
