@@ -31,8 +31,7 @@ def _tile_offsets(table_row, start, seq_len, block_stride, slot_stride, PAGED: t
         block = tl.load(table_row + start // BLOCK_SIZE).to(tl.int64)
         offsets = block * block_stride + (start % BLOCK_SIZE + tl.arange(0, TILE)) * slot_stride
     else:  # one table read per block of the tile, broadcast over the block's slots
-        NUM_BLOCKS: tl.constexpr = TILE // BLOCK_SIZE
-        entries = start // BLOCK_SIZE + tl.arange(0, NUM_BLOCKS)
+        entries = start // BLOCK_SIZE + tl.arange(0, TILE // BLOCK_SIZE)
         blocks = tl.load(table_row + entries, mask=entries * BLOCK_SIZE < seq_len,
                          other=0).to(tl.int64)
         slots = tl.arange(0, BLOCK_SIZE) * slot_stride
@@ -144,6 +143,13 @@ def _dot_precision(dtype: torch.dtype):
     return "ieee" if dtype == torch.float32 else None
 
 
+def _check_tile(name: str, tile: int) -> int:
+    """Return tile when it is a power of two of at least 16 (what tl.dot needs), else raise."""
+    if isinstance(tile, bool) or not isinstance(tile, int) or tile < 16 or tile & (tile - 1):
+        raise ValueError(f"{name} must be a power of two >= 16, got {tile!r}")
+    return tile
+
+
 def _pick_splits(num_programs: int, max_seq_len: int, tile: int, device: torch.device) -> int:
     """Enough splits to give a GPU two programs per multiprocessor, each at least 4 tiles long."""
     if device.type != "cuda":
@@ -164,7 +170,7 @@ def _launch_decode(query, cache, table, seq_lens, scale, paged, per_tile, tile_s
         raise ValueError("kv_cache_layer must be contiguous in its last dimension")
     seq_lens = seq_lens.to(device=query.device, dtype=torch.int32)
     query_start = torch.arange(num_seqs + 1, device=query.device, dtype=torch.int32)
-    tile = tile_size or 64
+    tile = _check_tile("tile_size", tile_size or 64)
     if num_splits is None:
         longest = int(seq_lens.max()) if num_seqs else 0
         num_splits = _pick_splits(num_seqs * num_kv_heads, longest, tile, query.device)
@@ -315,6 +321,7 @@ def extend_attention(query, kv_cache_layer, block_tables, seq_lens, query_start_
         raise ValueError(f"query_start_loc must be [S+1] and block_tables [S, max_blocks] for "
                          f"S={num_seqs}, got {tuple(query_start_loc.shape)} and "
                          f"{tuple(block_tables.shape)}")
+    _check_tile("tile_size", tile_size), _check_tile("block_m", block_m)
     out = torch.empty_like(query)
     longest_query = int((query_start_loc[1:] - query_start_loc[:-1]).max()) if num_seqs else 0
     if longest_query == 0:

@@ -185,3 +185,11 @@ def test_wide_grid(block_size, group, head_dim):
     for lookup in ("position", "tile"):
         assert_close(decode_attention(decode_query, layer, tables, seq_lens, lookup=lookup),
                      expected, torch.float16)
+
+
+def test_tile_sizes_tl_dot_cannot_take_are_refused():
+    query, layer, tables, seq_lens, starts, _ = make_batch([5], [1], 4)
+    with pytest.raises(ValueError, match="tile_size"):
+        decode_attention(query, layer, tables, seq_lens, tile_size=8)
+    with pytest.raises(ValueError, match="block_m"):
+        extend_attention(query, layer, tables, seq_lens, starts, block_m=12)
