@@ -273,6 +273,25 @@ class Qwen2Model(nn.Module):
         return self.norm(hidden_states)
 
 
+def _check_inputs(config: ModelConfig, input_ids: torch.Tensor, metadata: AttentionMetadata,
+                  kv_cache: KVCache) -> None:
+    """Refuse inputs that do not fit the model or its cache, naming the field."""
+    if input_ids.dim() != 1 or input_ids.shape[0] != metadata.positions.shape[0]:
+        raise ValueError(f"input_ids must be [T] with T = len(metadata.positions) = "
+                         f"{metadata.positions.shape[0]}, got {tuple(input_ids.shape)}")
+    if input_ids.numel() and not (0 <= int(input_ids.min())
+                                  and int(input_ids.max()) < config.vocab_size):
+        raise ValueError(f"input_ids must lie in [0, vocab_size={config.vocab_size})")
+    if len(kv_cache.layers) != config.num_hidden_layers:
+        raise ValueError(f"kv_cache has {len(kv_cache.layers)} layers, "
+                         f"the model {config.num_hidden_layers}")
+    expected = (config.num_key_value_heads, config.head_dim)
+    if (kv_cache.num_kv_heads, kv_cache.head_dim) != expected:
+        raise ValueError(f"kv_cache holds {kv_cache.num_kv_heads} KV heads of "
+                         f"{kv_cache.head_dim}, the model {config.num_key_value_heads} "
+                         f"of {config.head_dim}")
+
+
 class Qwen2ForCausalLM(nn.Module):
     """Qwen2 with its language-model head: token ids and metadata in, float32 logits out."""
 
@@ -290,28 +309,11 @@ class Qwen2ForCausalLM(nn.Module):
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, metadata: AttentionMetadata,
                 kv_cache: KVCache) -> torch.Tensor:
-        self._check_inputs(input_ids, metadata, kv_cache)
+        _check_inputs(self.config, input_ids, metadata, kv_cache)
         hidden_states = self.model(input_ids, metadata, kv_cache.layers)
         if metadata.logits_indices is not None:  # usually one token per sequence
             hidden_states = hidden_states[metadata.logits_indices]
         return self.lm_head(hidden_states).float()
-
-    def _check_inputs(self, input_ids, metadata, kv_cache) -> None:
-        config = self.config
-        if input_ids.dim() != 1 or input_ids.shape[0] != metadata.positions.shape[0]:
-            raise ValueError(f"input_ids must be [T] with T = len(metadata.positions) = "
-                             f"{metadata.positions.shape[0]}, got {tuple(input_ids.shape)}")
-        if input_ids.numel() and not (0 <= int(input_ids.min())
-                                      and int(input_ids.max()) < config.vocab_size):
-            raise ValueError(f"input_ids must lie in [0, vocab_size={config.vocab_size})")
-        if len(kv_cache.layers) != config.num_hidden_layers:
-            raise ValueError(f"kv_cache has {len(kv_cache.layers)} layers, "
-                             f"the model {config.num_hidden_layers}")
-        expected = (config.num_key_value_heads, config.head_dim)
-        if (kv_cache.num_kv_heads, kv_cache.head_dim) != expected:
-            raise ValueError(f"kv_cache holds {kv_cache.num_kv_heads} KV heads of "
-                             f"{kv_cache.head_dim}, the model {config.num_key_value_heads} "
-                             f"of {config.head_dim}")
 
 
 # Hugging Face keeps q, k, v (and gate, up) apart; this model fuses each group into one matmul.
@@ -440,13 +442,6 @@ def load_model(name_or_path, dtype: torch.dtype = torch.float32, device="cpu",
     return model.eval()
 
 
-def load_tokenizer(name_or_path):
-    """The checkpoint's tokenizer, through transformers."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(name_or_path))
-
-
 def to_transformers(model: Qwen2ForCausalLM, attn_implementation: str = "eager"):
     """transformers' Qwen2ForCausalLM holding the same weights, to check this model against."""
     import transformers
@@ -459,3 +454,10 @@ def to_transformers(model: Qwen2ForCausalLM, attn_implementation: str = "eager")
     if unexpected or set(missing) - {"lm_head.weight"}:
         raise ValueError(f"weights do not match transformers: {missing} {unexpected}")
     return peer.to(device=parameter.device, dtype=parameter.dtype).eval()
+
+
+def load_tokenizer(name_or_path):
+    """The checkpoint's tokenizer, through transformers."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(name_or_path))
