@@ -1,0 +1,461 @@
+"""Chapter 2: the workload, the three allocators and the simulator, against brute force."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minipaged.fragmentation import (
+    SEED_POOL_TOKENS,
+    Allocator,
+    BlockAllocator,
+    ExactFit,
+    FreeExtents,
+    MaxLengthReservation,
+    MaxTree,
+    Workload,
+    arrival_rate_for_load,
+    erlang_b,
+    live_total,
+    make_workload,
+    pool_over_time,
+    pool_shares,
+    sample_total_lengths,
+    simulate,
+    three_allocators,
+    workload_moments,
+)
+
+# ---------------------------------------------------------------- brute-force helpers
+
+
+def free_runs(used: np.ndarray) -> list[tuple[int, int]]:
+    """Maximal runs of free positions as (start, length), by address."""
+    runs, start = [], None
+    for i, taken in enumerate(list(used) + [True]):
+        if not taken and start is None:
+            start = i
+        elif taken and start is not None:
+            runs.append((start, i - start))
+            start = None
+    return runs
+
+
+def longest_free_run(used: np.ndarray) -> int:
+    return max((length for _, length in free_runs(used)), default=0)
+
+
+# A program of operations: admit a request of some length, or release the k-th live request.
+operations = st.lists(
+    st.one_of(st.tuples(st.just("admit"), st.integers(1, 12)),
+              st.tuples(st.just("release"), st.integers(0, 1_000))),
+    max_size=60,
+)
+
+# ---------------------------------------------------------------- lengths and traces
+
+
+def test_lengths_are_seeded_clipped_integers():
+    a = sample_total_lengths(50_000, seed=3)
+    assert a.dtype == np.int64
+    assert a.min() >= 1 and a.max() <= 2048
+    np.testing.assert_array_equal(a, sample_total_lengths(50_000, seed=3))
+    assert not np.array_equal(a, sample_total_lengths(50_000, seed=4))
+
+
+def test_lengths_have_the_requested_median_and_mean():
+    lengths = sample_total_lengths(400_000, seed=0)
+    assert abs(np.median(lengths) - 180) <= 2
+    assert abs(lengths.mean() - 260) < 5  # the cap trims the mean slightly
+    short = sample_total_lengths(10_000, seed=0, median=10.0, mean=10.0, cap=64)
+    assert np.all(short == 10)  # mean equal to median: no spread at all
+    assert sample_total_lengths(1_000, cap=100).max() == 100
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"num": -1}, "num"),
+    ({"num": 10, "median": 300.0, "mean": 260.0}, "median"),
+    ({"num": 10, "median": 0.0}, "median"),
+    ({"num": 10, "cap": 0}, "cap"),
+])
+def test_lengths_reject_bad_input(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        sample_total_lengths(**kwargs)
+
+
+def test_workload_is_reproducible_and_consistent():
+    a = make_workload(5_000, 50.0, seed=7)
+    b = make_workload(5_000, 50.0, seed=7)
+    for field in ("arrival_times", "prompt_lens", "answer_lens"):
+        np.testing.assert_array_equal(getattr(a, field), getattr(b, field))
+    np.testing.assert_array_equal(a.total_lens, sample_total_lengths(5_000, seed=7))
+    assert np.all(a.answer_lens >= 1) and np.all(a.prompt_lens >= 0)
+    assert np.all(np.diff(a.arrival_times) >= 0)
+    np.testing.assert_allclose(a.lifetimes, a.answer_lens / 30.0)
+    assert abs(a.num_requests / a.arrival_times[-1] - 50.0) < 3.0
+    share = a.prompt_lens / a.total_lens
+    assert share.min() > 0.15 and share.max() < 0.85
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"num_requests": 0, "arrival_rate": 1.0}, "num_requests"),
+    ({"num_requests": 10, "arrival_rate": 0.0}, "arrival_rate"),
+    ({"num_requests": 10, "arrival_rate": -2.0}, "arrival_rate"),
+    ({"num_requests": 10, "arrival_rate": 1.0, "decode_rate": 0.0}, "decode_rate"),
+    ({"num_requests": 10, "arrival_rate": 1.0, "prompt_share": (0.5, 1.0)}, "prompt_share"),
+    ({"num_requests": 10, "arrival_rate": 1.0, "median": 400.0}, "median"),
+])
+def test_workload_rejects_bad_input(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        make_workload(**kwargs)
+
+
+def test_offered_load_matches_its_definition():
+    rate = arrival_rate_for_load(0.7, 100_000)
+    trace = make_workload(200_000, rate, seed=1)
+    token_seconds = np.sum(trace.total_lens * trace.lifetimes)
+    assert token_seconds / trace.arrival_times[-1] / 100_000 == pytest.approx(0.7, rel=0.03)
+    assert arrival_rate_for_load(1.4, 100_000) == pytest.approx(2 * rate)
+    mean_lifetime, _ = workload_moments()
+    assert mean_lifetime == pytest.approx(trace.lifetimes.mean(), rel=0.02)
+
+
+@pytest.mark.parametrize("load, pool, field", [(0.0, 10, "load"), (-1.0, 10, "load"),
+                                               (1.0, 0, "pool_tokens"), (1.0, -5, "pool_tokens")])
+def test_load_rejects_bad_input(load, pool, field):
+    with pytest.raises(ValueError, match=field):
+        arrival_rate_for_load(load, pool)
+
+
+# ---------------------------------------------------------------- the search structures
+
+
+@settings(max_examples=60, deadline=None)
+@given(size=st.integers(1, 40), writes=st.lists(st.tuples(st.integers(0, 39), st.integers(0, 50))),
+       query=st.integers(0, 55))
+def test_max_tree_finds_the_leftmost_position_at_least(size, writes, query):
+    tree, values = MaxTree(size), [0] * size
+    for position, value in writes:
+        if position < size:
+            tree.set(position, value)
+            values[position] = value
+    assert tree.max() == max(values)
+    expected = next((i for i, v in enumerate(values) if v >= query), None)
+    if query > 0:
+        assert tree.leftmost_at_least(query) == expected
+
+
+def test_coalescing_merges_both_neighbours():
+    extents = FreeExtents(20)
+    for start in (0, 5, 10, 15):
+        extents.take(start, 5)
+    assert extents.extents() == []
+    extents.give(0, 5)
+    extents.give(10, 5)
+    assert extents.extents() == [(0, 5), (10, 5)]
+    extents.give(5, 5)  # touches a free run on each side: all three become one
+    assert extents.extents() == [(0, 15)]
+    assert extents.tree.max() == 15
+    extents.give(15, 5)
+    assert extents.extents() == [(0, 20)]
+    assert extents.first_fit(20) == 0 and extents.first_fit(21) is None
+
+
+def test_best_fit_picks_the_shortest_run_that_fits():
+    extents = FreeExtents(30)
+    extents.take(0, 30)
+    extents.give(0, 8)
+    extents.give(12, 4)
+    extents.give(20, 6)
+    assert extents.first_fit(4) == 0
+    assert extents.best_fit(4) == 12
+    assert extents.best_fit(5) == 20
+    assert extents.best_fit(9) is None
+
+
+# ---------------------------------------------------------------- allocators against brute force
+
+
+def run_program(allocator: Allocator, program, check):
+    """Drive an allocator through admit/release operations, calling check after each admit."""
+    live, next_id = [], 0
+    for op, value in program:
+        if op == "admit":
+            admitted = allocator.admit(next_id, value)
+            check(allocator, next_id, value, admitted)
+            if admitted:
+                live.append(next_id)
+            next_id += 1
+        elif live:
+            allocator.release(live.pop(value % len(live)))
+        assert 0 <= allocator.held_tokens <= allocator.pool_tokens
+    for request_id in live:
+        allocator.release(request_id)
+    assert allocator.held_tokens == 0 and allocator.requested_tokens == 0 and not allocator.live
+
+
+@pytest.mark.parametrize("fit", ["first", "best"])
+@settings(max_examples=80, deadline=None)
+@given(pool=st.integers(1, 40), program=operations)
+def test_exact_fit_refuses_only_when_no_run_is_long_enough(fit, pool, program):
+    allocator = ExactFit(pool, fit=fit)
+    used = np.zeros(pool, dtype=bool)
+
+    def check(allocator, request_id, size, admitted):
+        runs = [run for run in free_runs(used) if run[1] >= size]
+        assert admitted == bool(runs)
+        if admitted:
+            start, held, _ = allocator.live[request_id]
+            assert held == size
+            if fit == "first":
+                assert start == runs[0][0]
+            else:
+                assert start in [s for s, n in runs if n == min(n for _, n in runs)]
+            assert not used[start:start + size].any()
+            used[start:start + size] = True
+        assert allocator.extents.extents() == free_runs(used)  # fully coalesced, always
+        assert allocator.largest_free_run() == longest_free_run(used)
+
+    original_release = allocator.release
+
+    def release(request_id):
+        start, held, _ = allocator.live[request_id]
+        original_release(request_id)
+        used[start:start + held] = False
+        assert allocator.extents.extents() == free_runs(used)
+
+    allocator.release = release
+    run_program(allocator, program, check)
+
+
+@settings(max_examples=80, deadline=None)
+@given(pool=st.integers(1, 60), block_size=st.integers(1, 8), program=operations)
+def test_blocks_refuse_only_when_too_few_blocks_are_free(pool, block_size, program):
+    allocator = BlockAllocator(pool, block_size)
+
+    def check(allocator, request_id, size, admitted):
+        needed = -(-size // block_size)
+        free_before = allocator.num_free_blocks + (needed if admitted else 0)
+        assert admitted == (free_before >= needed)
+        held_blocks = allocator.num_blocks - allocator.num_free_blocks
+        assert allocator.held_tokens == held_blocks * block_size
+        tail = allocator.held_tokens - allocator.requested_tokens  # unfinished last blocks
+        assert 0 <= tail <= (block_size - 1) * len(allocator.live)
+
+    run_program(allocator, program, check)
+
+
+@settings(max_examples=50, deadline=None)
+@given(slots=st.integers(1, 6), extra=st.integers(0, 3), program=operations)
+def test_reservation_is_a_fixed_number_of_slots(slots, extra, program):
+    allocator = MaxLengthReservation(slots * 4 + extra, max_model_len=4)
+    program = [(op, min(value, 4)) if op == "admit" else (op, value) for op, value in program]
+
+    def check(allocator, request_id, size, admitted):
+        live_before = len(allocator.live) - (1 if admitted else 0)
+        assert admitted == (live_before < slots)
+        assert allocator.held_tokens == 4 * len(allocator.live)
+
+    run_program(allocator, program, check)
+
+
+def test_reservation_rejects_requests_longer_than_the_limit():
+    with pytest.raises(ValueError, match="max_model_len"):
+        MaxLengthReservation(100, max_model_len=8).admit(0, 9)
+
+
+@pytest.mark.parametrize("make, field", [
+    (lambda: ExactFit(0), "pool_tokens"),
+    (lambda: BlockAllocator(-16), "pool_tokens"),
+    (lambda: MaxLengthReservation(0), "pool_tokens"),
+    (lambda: BlockAllocator(1024, block_size=0), "block_size"),
+    (lambda: BlockAllocator(1024, block_size=-4), "block_size"),
+    (lambda: ExactFit(1024, fit="worst"), "fit"),
+    (lambda: MaxLengthReservation(1024, max_model_len=0), "max_model_len"),
+])
+def test_allocators_reject_bad_configuration(make, field):
+    with pytest.raises(ValueError, match=field):
+        make()
+
+
+@pytest.mark.parametrize("allocator", [ExactFit(64), BlockAllocator(64, 8),
+                                       MaxLengthReservation(64, 16)], ids=lambda a: a.name)
+def test_admit_and_release_are_checked(allocator):
+    with pytest.raises(ValueError, match="num_tokens"):
+        allocator.admit(0, 0)
+    assert allocator.admit(1, 5)
+    with pytest.raises(ValueError, match="request_id"):
+        allocator.admit(1, 5)  # already live
+    allocator.release(1)
+    with pytest.raises(ValueError, match="request_id"):
+        allocator.release(1)  # released twice
+    with pytest.raises(ValueError, match="request_id"):
+        allocator.release(99)  # never admitted
+    assert allocator.held_tokens == 0
+
+
+def test_demand_works_on_ints_and_arrays():
+    lengths = np.array([1, 16, 17, 200])
+    np.testing.assert_array_equal(BlockAllocator(1024, 16).demand(lengths), [16, 16, 32, 208])
+    np.testing.assert_array_equal(MaxLengthReservation(4096).demand(lengths), [2048] * 4)
+    np.testing.assert_array_equal(ExactFit(1024).demand(lengths), lengths)
+    assert BlockAllocator(1024, 16).demand(17) == 32
+
+
+# ---------------------------------------------------------------- the simulator
+
+
+class Audited:
+    """Wraps an allocator and checks conservation at every call."""
+
+    def __init__(self, inner: Allocator):
+        self.inner, self.admitted, self.released = inner, set(), []
+        self.name, self.pool_tokens = inner.name, inner.pool_tokens
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def admit(self, request_id, num_tokens):
+        ok = self.inner.admit(request_id, num_tokens)
+        assert self.inner.held_tokens <= self.inner.pool_tokens
+        if ok:
+            self.admitted.add(request_id)
+        return ok
+
+    def release(self, request_id):
+        self.released.append(request_id)
+        self.inner.release(request_id)
+
+
+@pytest.mark.parametrize("index", range(3))
+def test_simulation_conserves_memory_and_releases_each_request_once(index):
+    trace = make_workload(3_000, arrival_rate_for_load(1.1, 60_000), seed=5)
+    audited = Audited(three_allocators(60_000)[index])
+    result = simulate(trace, audited, warmup=5.0)
+    assert sorted(audited.released) == sorted(audited.admitted)
+    assert len(set(audited.released)) == len(audited.released)
+    assert set(np.flatnonzero(result.admitted)) == audited.admitted
+    assert audited.inner.held_tokens == 0 and not audited.inner.live
+    assert len(result.refusal_occupancy) == len(result.refused)
+    assert np.all(result.refusal_occupancy <= 1.0)
+    assert 0 < result.refusal_rate < 1
+
+
+def test_same_seed_same_numbers():
+    def run(seed):
+        trace = make_workload(4_000, arrival_rate_for_load(1.0, 50_000), seed=seed)
+        return [simulate(trace, allocator, warmup=5.0) for allocator in three_allocators(50_000)]
+
+    for a, b in zip(run(11), run(11)):
+        np.testing.assert_array_equal(a.admitted, b.admitted)
+        np.testing.assert_array_equal(a.refusal_occupancy, b.refusal_occupancy)
+        assert pool_shares(a) == pool_shares(b)
+    assert any(not np.array_equal(a.admitted, b.admitted) for a, b in zip(run(11), run(12)))
+
+
+def test_external_refusals_are_counted_apart():
+    # Lengths 4, 40 and 2 fill a 46-token pool; the short ones finish and leave gaps of 4 and 2,
+    # so a request of 6 finds 6 tokens free but no run of 6.
+    trace = Workload(np.array([0.0, 0.1, 0.2, 10.0]), np.array([0, 0, 0, 5]),
+                     np.array([4, 40, 2, 1]), decode_rate=1.0)
+    exact = simulate(trace, ExactFit(46))
+    blocks = simulate(trace, BlockAllocator(46, 1))
+    assert exact.refused.tolist() == [3] and exact.external_refusals == 1
+    assert exact.refusal_free.tolist() == [6]
+    assert blocks.refused.tolist() == [] and blocks.external_refusals == 0
+
+
+def brute_force_pool(result, times):
+    w, keep = result.workload, result.admitted
+    held, written = np.zeros(len(times)), np.zeros(len(times))
+    for i in np.flatnonzero(keep):
+        a, e = w.arrival_times[i], w.finish_times[i]
+        live = (times >= a) & (times < e)
+        held += live * result.demands[i]
+        written += live * (w.prompt_lens[i] + w.decode_rate * (times - a))
+    return held / result.pool_tokens, written / result.pool_tokens
+
+
+def test_pool_over_time_matches_brute_force():
+    trace = make_workload(1_500, arrival_rate_for_load(0.9, 20_000), seed=2)
+    result = simulate(trace, BlockAllocator(20_000, 16), warmup=3.0)
+    times = np.linspace(0, trace.arrival_times[-1] + 5, 257)
+    held, written = brute_force_pool(result, times)
+    over_time = pool_over_time(result, times)
+    np.testing.assert_allclose(over_time["held"], held, atol=1e-9)
+    np.testing.assert_allclose(over_time["written"], written, atol=1e-6)
+    assert np.all(over_time["written"] <= over_time["final length"] + 1e-9)
+    assert np.all(over_time["final length"] <= over_time["held"] + 1e-9)
+
+
+def test_pool_shares_are_the_time_average_of_the_pool():
+    trace = make_workload(2_000, arrival_rate_for_load(0.8, 30_000), seed=4)
+    result = simulate(trace, MaxLengthReservation(30_000, max_model_len=2048), warmup=4.0)
+    shares = pool_shares(result)
+    assert sum(shares.values()) == pytest.approx(1.0)
+    assert all(share >= -1e-12 for share in shares.values())
+    t0, t1 = result.window
+    times = np.linspace(t0, t1, 200_001)
+    over_time = pool_over_time(result, times)
+    assert 1 - shares["free"] == pytest.approx(over_time["held"].mean(), abs=2e-3)
+    assert shares["written"] == pytest.approx(over_time["written"].mean(), abs=2e-3)
+
+
+@settings(max_examples=40, deadline=None)
+@given(intervals=st.lists(st.tuples(st.floats(0, 10), st.floats(0, 5), st.integers(-5, 5)),
+                          max_size=30),
+       times=st.lists(st.floats(-1, 16), max_size=10))
+def test_live_total_matches_brute_force(intervals, times):
+    starts = np.array([s for s, _, _ in intervals], dtype=float)
+    ends = starts + np.array([d for _, d, _ in intervals], dtype=float)
+    values = np.array([v for _, _, v in intervals], dtype=float)
+    times = np.array(times, dtype=float)
+    expected = [sum(v for s, e, v in zip(starts, ends, values) if s <= t < e) for t in times]
+    np.testing.assert_allclose(live_total(starts, ends, values, times), expected, atol=1e-9)
+
+
+# ---------------------------------------------------------------- Erlang's loss formula
+
+
+def test_erlang_b_known_values():
+    assert erlang_b(0, 3.0) == 1.0
+    assert erlang_b(1, 1.0) == pytest.approx(0.5)
+    assert erlang_b(2, 1.0) == pytest.approx(0.2)  # (1/2) / (1 + 1 + 1/2)
+    assert erlang_b(10, 0.0) == 0.0
+    with pytest.raises(ValueError, match="servers"):
+        erlang_b(-1, 1.0)
+    with pytest.raises(ValueError, match="offered"):
+        erlang_b(3, -1.0)
+
+
+@pytest.mark.heavy
+def test_reservations_refuse_as_erlang_predicts():
+    """The reservation allocator is a loss system with pool // max_model_len servers."""
+    load = 0.3
+    rate = arrival_rate_for_load(load, SEED_POOL_TOKENS)
+    trace = make_workload(int(rate * 300), rate, seed=9)
+    result = simulate(trace, MaxLengthReservation(SEED_POOL_TOKENS), warmup=35.0)
+    offered = rate * workload_moments()[0]
+    assert result.refusal_rate == pytest.approx(erlang_b(SEED_POOL_TOKENS // 2048, offered),
+                                                abs=0.02)
+
+
+@pytest.mark.heavy
+def test_the_seed_shape_on_the_seed_pool():
+    """Moderate load: only reservations refuse. High load: exact fit refuses with room to spare."""
+    for load, expect in ((0.28, "moderate"), (1.0, "high")):
+        rate = arrival_rate_for_load(load, SEED_POOL_TOKENS)
+        trace = make_workload(int(rate * 150), rate, seed=0)
+        results = {a.name: simulate(trace, a, warmup=35.0)
+                   for a in three_allocators(SEED_POOL_TOKENS)}
+        if expect == "moderate":
+            assert results["reservation"].refusal_rate > 0.05
+            assert results["exact fit"].refusal_rate == 0 == results["blocks"].refusal_rate
+        else:
+            exact, blocks = results["exact fit"], results["blocks"]
+            assert exact.refusal_rate > 0 and blocks.refusal_rate > 0
+            assert exact.external_refusals == int(np.sum(exact.counted_refusals))
+            assert blocks.external_refusals == 0
+            assert np.max(exact.refusal_occupancy) < 0.97
+            assert np.min(blocks.refusal_occupancy) > 1 - 2048 / SEED_POOL_TOKENS
