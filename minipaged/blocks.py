@@ -4,6 +4,7 @@
 """The block pool and the per-sequence block table: who holds which block of the KV cache."""
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -73,17 +74,22 @@ class FreeKVCacheBlockQueue:
 
 
 def _check_count(name: str, value: int, minimum: int = 0) -> int:
-    """Return value when it is an integer at least minimum, else raise ValueError naming it."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    """Return value as an int when it is an integer at least minimum, else raise ValueError."""
+    try:
+        number = operator.index(value)  # ints, numpy and 0-d torch integers; not floats
+    except TypeError:
+        number = None
+    if isinstance(value, bool) or number is None or number < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return value
+    return number
 
 
 class BlockPool:
     """A fixed number of blocks of block_size tokens, a free queue, and reference counts."""
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
-        if _check_count("block_size", block_size, 1) & (block_size - 1):
+        block_size = _check_count("block_size", block_size, 1)
+        if block_size & (block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 1, got {block_size}")
         self.num_blocks = _check_count("num_blocks", num_blocks, 1)
         self.block_size = block_size
@@ -98,7 +104,8 @@ class BlockPool:
     def allocate(self, n: int) -> list[KVCacheBlock]:
         """Hand out n free blocks, each with count 1; all or nothing."""
         self.num_allocator_calls += 1
-        if _check_count("n", n) > self.get_num_free_blocks():
+        n = _check_count("n", n)
+        if n > self.get_num_free_blocks():
             raise NoFreeBlocksError(f"asked for {n} blocks but only {self.get_num_free_blocks()}"
                                     f" of {self.num_blocks} are free; nothing was allocated")
         blocks = [self._pop_free_block() for _ in range(n)]
@@ -156,7 +163,7 @@ class BlockTable:
 
     def ensure_capacity(self, num_tokens: int) -> int:
         """Grow to room for num_tokens tokens in one allocation; return how many blocks came."""
-        needed = self.blocks_needed(num_tokens)
+        needed = self.blocks_needed(num_tokens)  # validates num_tokens
         if len(self.blocks) + needed > self.pool.num_blocks:
             raise ValueError(f"num_tokens={num_tokens} needs {len(self.blocks) + needed} "
                              f"blocks, more than the pool's {self.pool.num_blocks}")
