@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,8 +15,14 @@ from minipaged.blocks import BlockPool
 from minipaged.kernels import check_block_size
 from minipaged.kv_cache import KVCache
 from minipaged.memory import cache_budget, peak_forward_bytes
-from minipaged.model import (ModelConfig, Qwen2ForCausalLM, load_model, load_tokenizer,
-                             prepare_metadata, random_model)
+from minipaged.model import (
+    ModelConfig,
+    Qwen2ForCausalLM,
+    load_model,
+    load_tokenizer,
+    prepare_metadata,
+    random_model,
+)
 from minipaged.sampling import SamplingParams, sample
 from minipaged.scheduler import KVCacheManager, Request, Scheduler, needs_sample
 

@@ -32,7 +32,7 @@ class SamplingParams:
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise ValueError(f"top_k must be -1, 0 (both: off) or a positive int, got {self.top_k!r}")
+            raise ValueError(f"top_k must be -1 or 0 (off) or a positive int, got {self.top_k!r}")
         if self.max_tokens is not None and not (isinstance(self.max_tokens, int)
                                                 and self.max_tokens >= 1):
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")

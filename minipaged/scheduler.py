@@ -99,7 +99,7 @@ class KVCacheManager:
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: list | None = None) -> bool:
-        """Grow the request's table to hold its computed and new tokens; False if the pool is short."""
+        """Grow the table to hold the computed and new tokens; False when the pool is short."""
         table = self.block_tables.setdefault(request.request_id, BlockTable(self.pool))
         if new_computed_blocks:
             table.share(new_computed_blocks)
