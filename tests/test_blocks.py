@@ -1,5 +1,8 @@
 """The block pool and block tables (chapter 3): behaviours one by one, then stateful properties."""
 import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
 from minipaged.blocks import (
     BlockPool,
@@ -180,3 +183,98 @@ def test_share_points_a_second_table_at_the_same_blocks():
     parent.free()
     child.free()
     assert pool.get_num_free_blocks() == 6
+
+
+# ---------------------------------------------------------------------------------------------
+# Stateful: random allocate / grow / share / free across many sequences, invariants every step.
+
+
+class PoolMachine(RuleBasedStateMachine):
+    """A pool of 24 blocks of 4 serving sequences that grow, share prefixes and finish."""
+
+    tables = Bundle("tables")
+
+    def __init__(self):
+        super().__init__()
+        self.pool = BlockPool(num_blocks=24, block_size=4)
+        self.live: list[BlockTable] = []
+
+    @rule(target=tables, num_tokens=st.integers(0, 40))
+    def start(self, num_tokens):
+        table = BlockTable(self.pool)
+        self._grow(table, num_tokens)
+        self.live.append(table)
+        return table
+
+    @rule(table=tables, extra=st.integers(0, 20))
+    def grow(self, table, extra):
+        if table in self.live:
+            self._grow(table, table.capacity + extra)
+
+    @rule(target=tables, parent=tables, num_blocks=st.integers(0, 6), num_tokens=st.integers(0, 40))
+    def fork(self, parent, num_blocks, num_tokens):
+        child = BlockTable(self.pool)
+        if parent in self.live:
+            child.share(parent.blocks[:num_blocks])
+        self._grow(child, num_tokens)
+        self.live.append(child)
+        return child
+
+    @rule(table=consumes(tables))
+    def finish(self, table):
+        if table in self.live:
+            table.free()
+            self.live.remove(table)
+            assert table.blocks == []
+
+    def _grow(self, table, num_tokens):
+        before = (table.block_ids, self.pool.get_num_free_blocks(), self.pool.num_allocator_calls)
+        needed = table.blocks_needed(num_tokens)
+        try:
+            assert table.ensure_capacity(num_tokens) == needed
+        except (NoFreeBlocksError, ValueError):
+            # refused: nothing changed but the count of calls (one at most)
+            assert (table.block_ids, self.pool.get_num_free_blocks()) == before[:2]
+            assert self.pool.num_allocator_calls - before[2] <= 1
+            return
+        assert table.capacity >= num_tokens
+        assert self.pool.num_allocator_calls - before[2] == (1 if needed else 0)
+
+    @invariant()
+    def free_exactly_when_count_is_zero(self):
+        queued = [block.block_id for block in self.pool.free_block_queue]
+        assert len(queued) == len(set(queued)) == self.pool.get_num_free_blocks()
+        assert set(queued) == {b.block_id for b in self.pool.blocks if b.ref_cnt == 0}
+
+    @invariant()
+    def counts_match_the_tables(self):
+        holders = [0] * self.pool.num_blocks
+        for table in self.live:
+            for block_id in table.block_ids:
+                holders[block_id] += 1
+        assert holders == [block.ref_cnt for block in self.pool.blocks]
+        held = sum(1 for count in holders if count)
+        assert held + self.pool.get_num_free_blocks() == self.pool.num_blocks
+
+    @invariant()
+    def queue_links_agree_both_ways(self):
+        forward = list(self.pool.free_block_queue)
+        backward, block = [], self.pool.free_block_queue.fake_tail.prev_free_block
+        while block is not self.pool.free_block_queue.fake_head:
+            backward.append(block)
+            block = block.prev_free_block
+        assert forward == backward[::-1]
+
+    def teardown(self):
+        for table in self.live:
+            table.free()
+        assert self.pool.get_num_free_blocks() == self.pool.num_blocks
+        assert all(block.ref_cnt == 0 for block in self.pool.blocks)
+        ids = [block.block_id for block in self.pool.free_block_queue]
+        assert sorted(ids) == list(range(self.pool.num_blocks))
+        self.pool.allocate(self.pool.num_blocks)  # the whole pool can be handed out again
+
+
+PoolMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40,
+                                         deadline=None)
+TestPoolMachine = PoolMachine.TestCase
