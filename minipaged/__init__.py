@@ -2,6 +2,8 @@
 """minipaged: paged KV-cache memory, built one chapter at a time."""
 
 from . import runtime  # noqa: F401  (first: it sets up Triton's interpreter on CPU)
+from .engine import LLM
+from .sampling import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = []
+__all__ = ['LLM', 'SamplingParams']
