@@ -220,6 +220,14 @@ class PoolMachine(RuleBasedStateMachine):
         self.live.append(child)
         return child
 
+    @rule(target=tables, start=st.integers(0, 23), num_blocks=st.integers(1, 4))
+    def claim_free_blocks(self, start, num_blocks):
+        # a prefix-cache hit on free blocks: taken from the middle of the free queue
+        table = BlockTable(self.pool)
+        table.share(list(self.pool.free_block_queue)[start:start + num_blocks])
+        self.live.append(table)
+        return table
+
     @rule(table=consumes(tables))
     def finish(self, table):
         if table in self.live:
