@@ -423,8 +423,8 @@ def pool_shares(result: SimulationResult) -> dict[str, float]:
     written = np.sum(w.prompt_lens[keep] * span
                      + w.decode_rate * ((high - start) ** 2 - (low - start) ** 2) / 2)
     scale = (t1 - t0) * result.pool_tokens
-    return {"written": written / scale, "not yet written": (final - written) / scale,
-            "never written": (held - final) / scale, "free": 1.0 - held / scale}
+    return {"written": float(written / scale), "not yet written": float((final - written) / scale),
+            "never written": float((held - final) / scale), "free": float(1.0 - held / scale)}
 
 
 def three_allocators(pool_tokens: int, block_size: int = SEED_BLOCK_SIZE,
