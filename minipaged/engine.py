@@ -142,6 +142,7 @@ def step(self: LLMEngine) -> list[Request]:
 
 
 def has_unfinished_requests(self: LLMEngine) -> bool:
+    """Whether any request is waiting or running."""
     return self.scheduler.has_unfinished_requests()
 
 
@@ -231,6 +232,7 @@ class RequestMetrics:
 
     @property
     def time_to_first_token(self) -> float | None:
+        """Seconds from arrival to the first sampled token."""
         return None if self.first_token_time is None else self.first_token_time - self.arrival_time
 
 
@@ -275,6 +277,7 @@ class LLM:
         self._next_id = 0
 
     def get_tokenizer(self):
+        """The tokenizer, or None for a model without one."""
         return self.tokenizer
 
 

@@ -40,6 +40,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
+        """Whether the temperature is low enough to take the argmax."""
         return self.temperature < GREEDY_EPS
 
 

@@ -27,10 +27,12 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
+        """Whether the request has ended, for whatever reason."""
         return self.name.startswith("FINISHED")
 
     @property
     def finish_reason(self) -> str | None:
+        """vLLM's finish reason: stop, length or abort; None while unfinished."""
         return {"FINISHED_STOPPED": "stop", "FINISHED_LENGTH_CAPPED": "length",
                 "FINISHED_ABORTED": "abort"}.get(self.name)
 
@@ -58,18 +60,22 @@ class Request:
 
     @property
     def num_prompt_tokens(self) -> int:
+        """Tokens in the prompt."""
         return len(self.prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:
+        """Tokens so far, prompt and output."""
         return len(self.all_token_ids)
 
     @property
     def output_token_ids(self) -> list[int]:
+        """The tokens sampled so far."""
         return self.all_token_ids[self.num_prompt_tokens:]
 
     @property
     def num_output_tokens(self) -> int:
+        """How many tokens were sampled so far."""
         return self.num_tokens - self.num_prompt_tokens
 
     def append_output_token(self, token_id: int) -> None:
@@ -116,6 +122,7 @@ class KVCacheManager:
             table.free()
 
     def get_block_table(self, request: Request) -> BlockTable:
+        """The block table of a request that holds blocks."""
         return self.block_tables[request.request_id]
 
 
@@ -129,6 +136,7 @@ class SchedulerOutput:
 
     @property
     def total_num_scheduled_tokens(self) -> int:
+        """New tokens in the whole batch."""
         return sum(self.num_scheduled_tokens.values())
 
 
@@ -157,9 +165,11 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add_request(self, request: Request) -> None:
+        """Queue a request at the back of the waiting queue."""
         self.waiting.append(request)
 
     def has_unfinished_requests(self) -> bool:
+        """Whether any request is waiting or running."""
         return bool(self.waiting or self.running)
 
     def preempt(self, request: Request) -> None:
