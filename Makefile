@@ -5,7 +5,6 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # Triton kernels run under its interpreter on machines without a GPU.
 export TRITON_INTERPRET ?= 1
-export MPLBACKEND ?= Agg
 export PYTHONHASHSEED ?= 0
 # nbval stores each chapter it runs cleanly in the book's jupyter-cache (see conftest.py),
 # so `make test` followed by `make book` executes every chapter once.
