@@ -49,6 +49,8 @@ class Runtime:
 
 def glue(name: str, value, display: bool = False) -> None:
     """Record ``value`` for the book's prose (MyST-NB ``glue``); a no-op outside the book."""
+    if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):
+        value = value.item()  # numpy and torch scalars print as np.float64(...), not as numbers
     try:
         from myst_nb import glue as myst_glue
     except ImportError:
