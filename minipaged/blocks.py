@@ -29,18 +29,18 @@ class FreeKVCacheBlockQueue:
 
     def __init__(self, blocks: Iterable[KVCacheBlock]) -> None:
         # Two sentinels, so that no operation needs a special case for an empty queue.
-        self.fake_head = KVCacheBlock(-1)
-        self.fake_tail = KVCacheBlock(-1)
-        self.fake_head.next_free_block = self.fake_tail
-        self.fake_tail.prev_free_block = self.fake_head
+        self.fake_free_list_head = KVCacheBlock(-1)
+        self.fake_free_list_tail = KVCacheBlock(-1)
+        self.fake_free_list_head.next_free_block = self.fake_free_list_tail
+        self.fake_free_list_tail.prev_free_block = self.fake_free_list_head
         self.num_free_blocks = 0
         for block in blocks:
             self.append(block)
 
     def popleft(self) -> KVCacheBlock:
         """Take the block at the head of the queue."""
-        block = self.fake_head.next_free_block
-        if block is self.fake_tail:
+        block = self.fake_free_list_head.next_free_block
+        if block is self.fake_free_list_tail:
             raise NoFreeBlocksError("the free queue is empty")
         self.remove(block)
         return block
@@ -58,17 +58,18 @@ class FreeKVCacheBlockQueue:
         """Put a block at the tail of the queue."""
         if block.prev_free_block is not None or block.next_free_block is not None:
             raise ValueError(f"block {block.block_id} is already in the free queue")
-        last = self.fake_tail.prev_free_block
+        tail = self.fake_free_list_tail
+        last = tail.prev_free_block
         last.next_free_block, block.prev_free_block = block, last
-        block.next_free_block, self.fake_tail.prev_free_block = self.fake_tail, block
+        block.next_free_block, tail.prev_free_block = tail, block
         self.num_free_blocks += 1
 
     def __len__(self) -> int:
         return self.num_free_blocks
 
     def __iter__(self) -> Iterator[KVCacheBlock]:
-        block = self.fake_head.next_free_block
-        while block is not self.fake_tail:
+        block = self.fake_free_list_head.next_free_block
+        while block is not self.fake_free_list_tail:
             yield block
             block = block.next_free_block
 

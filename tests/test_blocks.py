@@ -172,6 +172,15 @@ def test_table_free_returns_blocks_last_first_and_empties():
     assert table.blocks == [] and queue_ids(pool) == [3, 4, 2, 1, 0]
 
 
+def test_a_finished_sequence_s_last_block_is_the_first_reused():
+    # vLLM frees a request's blocks reversed, so its tail is evicted before its prefix
+    pool = BlockPool(num_blocks=3, block_size=2)
+    table = BlockTable(pool)
+    table.ensure_capacity(6)  # blocks 0, 1, 2: the whole pool
+    table.free()
+    assert [block.block_id for block in pool.allocate(3)] == [2, 1, 0]
+
+
 def test_share_points_a_second_table_at_the_same_blocks():
     pool = BlockPool(num_blocks=6, block_size=2)
     parent, child = BlockTable(pool), BlockTable(pool)
@@ -267,8 +276,8 @@ class PoolMachine(RuleBasedStateMachine):
     @invariant()
     def queue_links_agree_both_ways(self):
         forward = list(self.pool.free_block_queue)
-        backward, block = [], self.pool.free_block_queue.fake_tail.prev_free_block
-        while block is not self.pool.free_block_queue.fake_head:
+        backward, block = [], self.pool.free_block_queue.fake_free_list_tail.prev_free_block
+        while block is not self.pool.free_block_queue.fake_free_list_head:
             backward.append(block)
             block = block.prev_free_block
         assert forward == backward[::-1]
