@@ -437,8 +437,13 @@ def test_reservations_refuse_as_erlang_predicts():
     trace = make_workload(int(rate * 300), rate, seed=9)
     result = simulate(trace, MaxLengthReservation(SEED_POOL_TOKENS), warmup=35.0)
     offered = rate * workload_moments()[0]
-    assert result.refusal_rate == pytest.approx(erlang_b(SEED_POOL_TOKENS // 2048, offered),
-                                                abs=0.02)
+    refused = erlang_b(SEED_POOL_TOKENS // 2048, offered)
+    assert result.refusal_rate == pytest.approx(refused, abs=0.02)
+    # Little's law on the admitted requests: A (1 - B) reservations live on average.
+    held = 1 - pool_shares(result)["free"]
+    assert held == pytest.approx(offered * (1 - refused) * 2048 / SEED_POOL_TOKENS, abs=0.01)
+    assert pool_shares(result)["written"] + pool_shares(result)["not yet written"] == (
+        pytest.approx(load * (1 - result.refusal_rate), abs=0.02))
 
 
 @pytest.mark.heavy
