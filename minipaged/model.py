@@ -130,9 +130,9 @@ def prepare_metadata(block_tables: Sequence[Sequence[int]], num_computed_tokens:
                      num_scheduled_tokens: Sequence[int], block_size: int, device="cpu",
                      logits_at_every_token: bool = False) -> AttentionMetadata:
     """Build the metadata for one step from each sequence's block table and token counts."""
-    if not len(block_tables) == len(num_computed_tokens) == len(num_scheduled_tokens):
+    if not 0 < len(block_tables) == len(num_computed_tokens) == len(num_scheduled_tokens):
         raise ValueError("block_tables, num_computed_tokens and num_scheduled_tokens must have "
-                         "one entry per sequence each")
+                         "one entry per sequence each, for at least one sequence")
     if any(n < 1 for n in num_scheduled_tokens):
         raise ValueError(f"num_scheduled_tokens must be >= 1 each, "
                          f"got {list(num_scheduled_tokens)}")

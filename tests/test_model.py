@@ -1,6 +1,7 @@
 """The Qwen2 model on the paged cache, checked against transformers' Qwen2ForCausalLM."""
 from __future__ import annotations
 
+import inspect
 import json
 
 import pytest
@@ -8,6 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import minipaged.model
 from minipaged.kv_cache import KVCache
 from minipaged.model import (
     AttentionMetadata,
@@ -163,6 +165,7 @@ def test_prepare_metadata_pads_block_tables():
 
 
 @pytest.mark.parametrize("tables, computed, scheduled, field", [
+    ([], [], [], "block_tables"),
     ([[1]], [4], [1], "block_tables"),
     ([[1], [2]], [0], [1, 1], "num_computed_tokens"),
     ([[1]], [0], [0], "num_scheduled_tokens"),
@@ -296,6 +299,21 @@ def test_load_model_in_another_dtype(tmp_path, model):
     assert all(p.dtype == torch.bfloat16 for p in half.parameters())
 
 
+def test_load_model_casts_a_bfloat16_checkpoint_with_no_lm_head(tmp_path, config):
+    """The real checkpoint's case: bf16 on disk, the head tied and absent, fp16 wanted."""
+    from safetensors import safe_open
+
+    stored = random_model(config, seed=12, dtype=torch.bfloat16)
+    save_pretrained(stored, tmp_path)
+    with safe_open(tmp_path / "model.safetensors", framework="pt") as f:
+        assert "lm_head.weight" not in f.keys()
+        assert "model.layers.0.self_attn.q_proj.bias" in f.keys()
+    loaded = load_model(tmp_path, dtype=torch.float16)
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    for (name, a), b in zip(stored.state_dict().items(), loaded.state_dict().values()):
+        assert b.dtype == torch.float16 and torch.equal(a.to(torch.float16), b), name
+
+
 def test_load_model_refuses_a_directory_without_a_checkpoint(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(QWEN_CONFIG))
     with pytest.raises(ValueError, match="safetensors"):
@@ -317,6 +335,19 @@ def test_load_weights_refuses_unknown_wrong_and_missing_tensors(model, config):
 
 def test_hf_state_dict_uses_transformers_names(model, peer):
     assert set(model.hf_state_dict()) | {"lm_head.weight"} == set(peer.state_dict())
+
+
+def test_functions_attached_to_classes_are_not_public_module_names():
+    """Methods defined apart and attached later stay off the module's public surface."""
+    public = {name for name, value in vars(minipaged.model).items()
+              if inspect.isfunction(value) and not name.startswith("_")}
+    for cls in (ModelConfig, Qwen2ForCausalLM):
+        for attribute, value in vars(cls).items():
+            function = getattr(value, "__func__", value)
+            if inspect.isfunction(function) and function.__name__ != attribute:
+                assert function.__name__ not in public, (cls.__name__, attribute)
+                assert function.__name__.startswith("_"), (cls.__name__, attribute)
+    assert callable(ModelConfig.from_hf_config) and callable(Qwen2ForCausalLM.load_weights)
 
 
 # --- input checks ---------------------------------------------------------------------------
