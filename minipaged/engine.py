@@ -69,7 +69,7 @@ class LLMEngine:
         self.num_steps = self.num_computed_tokens = self.peak_num_used_blocks = 0
 
 
-def check_prompt(self: LLMEngine, prompt_token_ids) -> list[int]:
+def _check_prompt(self: LLMEngine, prompt_token_ids) -> list[int]:
     """Return the prompt's token ids, or raise ValueError saying what is wrong with them."""
     if isinstance(prompt_token_ids, str) or not all(
             isinstance(t, int) and not isinstance(t, bool) for t in prompt_token_ids):
@@ -87,7 +87,7 @@ def check_prompt(self: LLMEngine, prompt_token_ids) -> list[int]:
     return tokens
 
 
-def add_request(self: LLMEngine, request_id: str, prompt_token_ids: list[int],
+def _add_request(self: LLMEngine, request_id: str, prompt_token_ids: list[int],
                 sampling_params: SamplingParams) -> Request:
     """Check a prompt and queue it; a refused prompt leaves the engine as it was."""
     if not isinstance(sampling_params, SamplingParams):
@@ -106,11 +106,11 @@ def add_request(self: LLMEngine, request_id: str, prompt_token_ids: list[int],
     return request
 
 
-LLMEngine.check_prompt = check_prompt
-LLMEngine.add_request = add_request
+LLMEngine.check_prompt = _check_prompt
+LLMEngine.add_request = _add_request
 
 
-def step(self: LLMEngine) -> list[Request]:
+def _step(self: LLMEngine) -> list[Request]:
     """Schedule, run the model, sample, book; return the requests that got a token."""
     out = self.scheduler.schedule()
     requests = out.scheduled_requests
@@ -141,12 +141,12 @@ def step(self: LLMEngine) -> list[Request]:
     return [requests[i] for i in rows]
 
 
-def has_unfinished_requests(self: LLMEngine) -> bool:
+def _has_unfinished_requests(self: LLMEngine) -> bool:
     """Whether any request is waiting or running."""
     return self.scheduler.has_unfinished_requests()
 
 
-def stats(self: LLMEngine) -> dict[str, int]:
+def _stats(self: LLMEngine) -> dict[str, int]:
     """The engine's counters: steps, tokens computed, preemptions, allocator calls, peak blocks."""
     return dict(num_steps=self.num_steps, num_computed_tokens=self.num_computed_tokens,
                 num_preemptions=self.scheduler.num_preemptions,
@@ -154,9 +154,9 @@ def stats(self: LLMEngine) -> dict[str, int]:
                 peak_num_used_blocks=self.peak_num_used_blocks)
 
 
-LLMEngine.step = step
-LLMEngine.has_unfinished_requests = has_unfinished_requests
-LLMEngine.stats = stats
+LLMEngine.step = _step
+LLMEngine.has_unfinished_requests = _has_unfinished_requests
+LLMEngine.stats = _stats
 
 
 CPU_KV_CACHE_BYTES = 256 * 2**20  # the default cache on a CPU, where there is nothing to profile
@@ -294,7 +294,7 @@ def _prompt_tokens(self: LLM, index: int, prompt) -> tuple[str | None, list[int]
                      f"got {type(prompt).__name__}")
 
 
-def _add_requests(self: LLM, prompts, sampling_params) -> list[Request]:
+def _queue_prompts(self: LLM, prompts, sampling_params) -> list[Request]:
     """Check every prompt first, then queue them all: a bad prompt queues nothing."""
     prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
     if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -320,7 +320,7 @@ def _add_requests(self: LLM, prompts, sampling_params) -> list[Request]:
 
 
 LLM._prompt_tokens = _prompt_tokens
-LLM._add_requests = _add_requests
+LLM._queue_prompts = _queue_prompts
 
 
 def _output(self: LLM, request: Request, new_token_ids: list[int]) -> RequestOutput:
@@ -329,8 +329,7 @@ def _output(self: LLM, request: Request, new_token_ids: list[int]) -> RequestOut
     finished = request.status.finished
     completion = CompletionOutput(0, decode(new_token_ids, skip_special_tokens=True),
                                   list(new_token_ids), request.status.finish_reason,
-                                  request.all_token_ids[-1] if request.status.name ==
-                                  "FINISHED_STOPPED" else None)
+                                  request.stop_reason)
     metrics = RequestMetrics(request.arrival_time, request.first_token_time,
                              request.finished_time, request.num_preemptions,
                              request.num_output_tokens)
@@ -338,9 +337,9 @@ def _output(self: LLM, request: Request, new_token_ids: list[int]) -> RequestOut
                          request.prompt_token_ids, [completion], finished, metrics)
 
 
-def stream(self: LLM, prompts, sampling_params=None) -> Iterator[RequestOutput]:
+def _stream(self: LLM, prompts, sampling_params=None) -> Iterator[RequestOutput]:
     """Yield an output carrying each new token as soon as it is produced."""
-    requests = self._add_requests(prompts, sampling_params)
+    requests = self._queue_prompts(prompts, sampling_params)
     pending = {r.request_id: r for r in requests}
     try:
         while pending:
@@ -355,12 +354,12 @@ def stream(self: LLM, prompts, sampling_params=None) -> Iterator[RequestOutput]:
             self.llm_engine.requests.pop(request.request_id, None)
 
 
-def generate(self: LLM, prompts, sampling_params=None, use_tqdm: bool = True
+def _generate(self: LLM, prompts, sampling_params=None, use_tqdm: bool = True
              ) -> list[RequestOutput]:
     """Run prompts to completion; one output per prompt, in input order."""
     from tqdm.auto import tqdm
 
-    requests = self._add_requests(prompts, sampling_params)
+    requests = self._queue_prompts(prompts, sampling_params)
     ids = {r.request_id for r in requests}
     with tqdm(total=len(requests), desc="Processed prompts", disable=not use_tqdm) as bar:
         left = len(requests)
@@ -372,4 +371,4 @@ def generate(self: LLM, prompts, sampling_params=None, use_tqdm: bool = True
     return [self._output(r, r.output_token_ids) for r in requests]
 
 
-LLM._output, LLM.stream, LLM.generate = _output, stream, generate
+LLM._output, LLM.stream, LLM.generate = _output, _stream, _generate

@@ -50,6 +50,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     num_preemptions: int = 0
+    stop_reason: int | None = None  # the stop token that ended it; None for EOS, as in vLLM
     first_token_time: float | None = None
     finished_time: float | None = None
     prompt: str | None = None  # the text, when the prompt came as a string
@@ -146,8 +147,10 @@ def check_stop(request: Request, max_model_len: int) -> bool:
     if request.num_tokens >= max_model_len or (
             params.max_tokens is not None and request.num_output_tokens >= params.max_tokens):
         request.status = RequestStatus.FINISHED_LENGTH_CAPPED
-    elif (not params.ignore_eos and last == request.eos_token_id) or last in params.stop_token_ids:
+    elif not params.ignore_eos and last == request.eos_token_id:
         request.status = RequestStatus.FINISHED_STOPPED
+    elif last in params.stop_token_ids:
+        request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, last
     return request.status.finished
 
 
@@ -182,7 +185,7 @@ class Scheduler:
         self.waiting.appendleft(request)
 
 
-def schedule(self: Scheduler) -> SchedulerOutput:
+def _schedule(self: Scheduler) -> SchedulerOutput:
     """Running requests first (preempting from the back when short), then waiting ones."""
     budget, manager = self.max_num_batched_tokens, self.kv_cache_manager
     out = SchedulerOutput([], {}, [])
@@ -221,10 +224,10 @@ def schedule(self: Scheduler) -> SchedulerOutput:
     return out
 
 
-Scheduler.schedule = schedule
+Scheduler.schedule = _schedule
 
 
-def update_from_output(self: Scheduler, out: SchedulerOutput,
+def _update_from_output(self: Scheduler, out: SchedulerOutput,
                        sampled_token_ids: dict[str, int]) -> list[Request]:
     """Count the computed tokens, append sampled ones, and finish and free ended requests."""
     finished = []
@@ -248,10 +251,10 @@ def needs_sample(request: Request, num_new_tokens: int) -> bool:
     return request.num_computed_tokens + num_new_tokens == request.num_tokens
 
 
-Scheduler.update_from_output = update_from_output
+Scheduler.update_from_output = _update_from_output
 
 
-def abort_request(self: Scheduler, request: Request) -> None:
+def _abort_request(self: Scheduler, request: Request) -> None:
     """Withdraw a request that has not finished; its blocks return to the pool."""
     if request.status.finished:
         return
@@ -264,4 +267,4 @@ def abort_request(self: Scheduler, request: Request) -> None:
     request.finished_time = time.monotonic()
 
 
-Scheduler.abort_request = abort_request
+Scheduler.abort_request = _abort_request

@@ -1,7 +1,11 @@
 """The engine end to end: greedy answers equal transformers' in every regime, bad input refused."""
+import inspect
+
 import pytest
 import torch
 
+import minipaged.engine
+import minipaged.scheduler
 from minipaged import LLM, SamplingParams
 from minipaged.model import ModelConfig, random_model, save_pretrained, to_transformers
 
@@ -182,3 +186,32 @@ def test_random_preset_and_cpu_budget():
     out = llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=3),
                        use_tqdm=False)
     assert len(out) == 1 and len(out[0].outputs[0].token_ids) == 3
+
+
+def test_stop_reason_names_the_stop_token_but_not_eos(model, prompts):
+    prompt = {"prompt_token_ids": prompts[0]}
+    greedy = SamplingParams(temperature=0, max_tokens=4)
+    first = LLM(model=model, max_model_len=64, num_gpu_blocks_override=8).generate(
+        prompt, greedy, use_tqdm=False)[0].outputs[0]
+    assert (first.finish_reason, first.stop_reason) == ("length", None)
+    token = first.token_ids[0]
+    stopped = LLM(model=model, max_model_len=64, num_gpu_blocks_override=8).generate(
+        prompt, SamplingParams(temperature=0, max_tokens=4, stop_token_ids=[token]),
+        use_tqdm=False)[0].outputs[0]
+    assert (stopped.token_ids, stopped.finish_reason, stopped.stop_reason) == (
+        [token], "stop", token)
+    with_eos = random_model(ModelConfig.small(num_layers=2, eos_token_id=token), seed=0)
+    at_eos = LLM(model=with_eos, max_model_len=64, num_gpu_blocks_override=8).generate(
+        prompt, greedy, use_tqdm=False)[0].outputs[0]
+    assert (at_eos.token_ids, at_eos.finish_reason, at_eos.stop_reason) == ([token], "stop", None)
+
+
+@pytest.mark.parametrize("module", [minipaged.scheduler, minipaged.engine])
+def test_methods_attached_after_the_fact_are_not_public_functions(module):
+    classes = [c for c in vars(module).values()
+               if isinstance(c, type) and c.__module__ == module.__name__]
+    methods = {id(f) for c in classes for f in vars(c).values() if inspect.isfunction(f)}
+    public = [name for name, value in vars(module).items()
+              if not name.startswith("_") and inspect.isfunction(value) and id(value) in methods]
+    assert public == []
+    assert not hasattr(module, "generate") and not hasattr(module, "schedule")
