@@ -337,6 +337,9 @@ def _output(self: LLM, request: Request, new_token_ids: list[int]) -> RequestOut
                          request.prompt_token_ids, [completion], finished, metrics)
 
 
+LLM._output = _output
+
+
 def _stream(self: LLM, prompts, sampling_params=None) -> Iterator[RequestOutput]:
     """Yield an output carrying each new token as soon as it is produced."""
     requests = self._queue_prompts(prompts, sampling_params)
@@ -371,4 +374,4 @@ def _generate(self: LLM, prompts, sampling_params=None, use_tqdm: bool = True
     return [self._output(r, r.output_token_ids) for r in requests]
 
 
-LLM._output, LLM.stream, LLM.generate = _output, _stream, _generate
+LLM.stream, LLM.generate = _stream, _generate
