@@ -89,12 +89,12 @@ def _decode_kernel(out_ptr, part_out_ptr, part_lse_ptr, q_ptr, cache_ptr, table_
         keys, values = _load_tile(base, kv_stride, offsets, inside)
         m_i, l_i, acc = _online_softmax_step(q, keys, values, inside[None, :], m_i, l_i, acc,
                                              scale_log2, PRECISION)
+    safe = tl.where(l_i > 0, l_i, 1.0)  # an empty split (or context) has l_i = 0
     if NUM_SPLITS == 1:
         tl.store(out_ptr + token * stride_ot + heads[:, None] * stride_oh + dims[None, :],
-                 (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=real[:, None])
-    else:  # an empty split has l_i = 0 and gets weight 0 in the merge
-        safe = tl.where(l_i > 0, l_i, 1.0)
-        row = (seq * tl.num_programs(1) * GROUP + heads) * NUM_SPLITS + split
+                 (acc / safe[:, None]).to(out_ptr.dtype.element_ty), mask=real[:, None])
+    else:  # an empty split gets weight 0 in the merge
+        row = (seq.to(tl.int64) * tl.num_programs(1) * GROUP + heads) * NUM_SPLITS + split
         tl.store(part_lse_ptr + row, tl.where(l_i > 0, m_i + tl.log2(safe), -1.0e30), mask=real)
         tl.store(part_out_ptr + row[:, None] * HEAD_DIM + dims[None, :], acc / safe[:, None],
                  mask=real[:, None])
@@ -106,7 +106,8 @@ def _merge_splits_kernel(out_ptr, part_out_ptr, part_lse_ptr, query_start_ptr, s
     """Merge one query head's partial results, each weighted by its share of the softmax sum."""
     seq, head = tl.program_id(0), tl.program_id(1)
     token = tl.load(query_start_ptr + seq).to(tl.int64)
-    row = (seq * tl.num_programs(1) + head) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
+    first_row = (seq.to(tl.int64) * tl.num_programs(1) + head) * NUM_SPLITS
+    row = first_row + tl.arange(0, NUM_SPLITS)
     dims = tl.arange(0, HEAD_DIM)
     lse = tl.load(part_lse_ptr + row)
     weights = tl.exp2(lse - tl.max(lse, 0))
@@ -143,11 +144,16 @@ def _dot_precision(dtype: torch.dtype):
     return "ieee" if dtype == torch.float32 else None
 
 
-def _check_tile(name: str, tile: int) -> int:
-    """Return tile when it is a power of two of at least 16 (what tl.dot needs), else raise."""
-    if isinstance(tile, bool) or not isinstance(tile, int) or tile < 16 or tile & (tile - 1):
-        raise ValueError(f"{name} must be a power of two >= 16, got {tile!r}")
+def _check_tile(name: str, tile: int, least: int = 16) -> int:
+    """Return tile when it is a power of two >= least (16: what tl.dot needs), else raise."""
+    if isinstance(tile, bool) or not isinstance(tile, int) or tile < least or tile & (tile - 1):
+        raise ValueError(f"{name} must be a power of two >= {least}, got {tile!r}")
     return tile
+
+
+def _last_dim_contiguous(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor when its last dimension has stride 1 (as the kernels assume), else a copy."""
+    return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
 
 
 def _pick_splits(num_programs: int, max_seq_len: int, tile: int, device: torch.device) -> int:
@@ -159,6 +165,18 @@ def _pick_splits(num_programs: int, max_seq_len: int, tile: int, device: torch.d
     return 1 << int(math.log2(max(1, min(wanted, most, 64))))
 
 
+def _decode_tile(head_dim: int, element_size: int) -> int:
+    """Positions per decode tile: 64, fewer once one tile of keys would pass 16 KiB."""
+    return max(16, min(64, 16384 // (head_dim * element_size)))
+
+
+def _extend_tiles(group_pad: int, head_dim: int, element_size: int) -> tuple[int, int]:
+    """(query tokens, positions) per extend program, sized to the head dim and element size."""
+    rows = max(16, group_pad, 16384 // (head_dim * element_size))
+    tile = max(16, min(32, 8192 // (head_dim * element_size)))
+    return max(1, rows // group_pad), tile
+
+
 def _launch_decode(query, cache, table, seq_lens, scale, paged, per_tile, tile_size, num_splits):
     """Run the decode kernel over a paged ([N, 2, B, W]) or contiguous ([S, 2, L, W]) cache."""
     num_kv_heads, group, head_dim = _head_geometry(query, cache.shape[-1])
@@ -168,13 +186,16 @@ def _launch_decode(query, cache, table, seq_lens, scale, paged, per_tile, tile_s
                          f"got {query.shape[0]}")
     if cache.stride(-1) != 1:
         raise ValueError("kv_cache_layer must be contiguous in its last dimension")
+    query, table = _last_dim_contiguous(query), _last_dim_contiguous(table)
     seq_lens = seq_lens.to(device=query.device, dtype=torch.int32)
     query_start = torch.arange(num_seqs + 1, device=query.device, dtype=torch.int32)
-    tile = _check_tile("tile_size", tile_size or 64)
+    tile = _check_tile("tile_size", _decode_tile(head_dim, cache.element_size())
+                       if tile_size is None else tile_size)
     if num_splits is None:
         longest = int(seq_lens.max()) if num_seqs else 0
         num_splits = _pick_splits(num_seqs * num_kv_heads, longest, tile, query.device)
-    out = torch.empty_like(query)
+    _check_tile("num_splits", num_splits, least=1)
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     part_out = torch.empty((num_seqs, query.shape[1], num_splits, head_dim) if num_splits > 1
                            else (1,), device=query.device, dtype=torch.float32)
     part_lse = torch.empty(part_out.shape[:3] if num_splits > 1 else (1,),
@@ -306,23 +327,40 @@ def _extend_kernel(out_ptr, q_ptr, cache_ptr, table_ptr, seq_lens_ptr, query_sta
              out.to(out_ptr.dtype.element_ty), mask=real[:, None])
 
 
-def extend_attention(query, kv_cache_layer, block_tables, seq_lens, query_start_loc,
-                     scale=None, block_m: int = 16, tile_size: int = 32) -> torch.Tensor:
-    """Causal attention of many query tokens per sequence over a paged context (prefill)."""
-    num_kv_heads, group, head_dim = _head_geometry(query, kv_cache_layer.shape[-1])
+def _extend_inputs(query, kv_cache_layer, block_tables, seq_lens, query_start_loc):
+    """Check the extend kernel's inputs; return them on query's device, as the kernel reads them."""
     check_block_size(kv_cache_layer.shape[2])
+    if kv_cache_layer.stride(-1) != 1:
+        raise ValueError("kv_cache_layer must be contiguous in its last dimension")
     device = query.device
     seq_lens = torch.as_tensor(seq_lens, device=device).to(torch.int32)
     query_start_loc = torch.as_tensor(query_start_loc, device=device).to(torch.int32)
-    block_tables = torch.as_tensor(block_tables, device=device)
+    block_tables = _last_dim_contiguous(torch.as_tensor(block_tables, device=device))
     num_seqs = seq_lens.shape[0]
     if query_start_loc.shape != (num_seqs + 1,) or block_tables.dim() != 2 \
             or block_tables.shape[0] != num_seqs:
         raise ValueError(f"query_start_loc must be [S+1] and block_tables [S, max_blocks] for "
                          f"S={num_seqs}, got {tuple(query_start_loc.shape)} and "
                          f"{tuple(block_tables.shape)}")
-    _check_tile("tile_size", tile_size), _check_tile("block_m", block_m)
-    out = torch.empty_like(query)
+    if int(query_start_loc[-1]) != query.shape[0]:
+        raise ValueError(f"query_start_loc must end at the number of query tokens "
+                         f"({query.shape[0]}), got {int(query_start_loc[-1])}")
+    return _last_dim_contiguous(query), block_tables, seq_lens, query_start_loc
+
+
+def extend_attention(query, kv_cache_layer, block_tables, seq_lens, query_start_loc,
+                     scale=None, block_m: int | None = None,
+                     tile_size: int | None = None) -> torch.Tensor:
+    """Causal attention of many query tokens per sequence over a paged context (prefill)."""
+    num_kv_heads, group, head_dim = _head_geometry(query, kv_cache_layer.shape[-1])
+    query, block_tables, seq_lens, query_start_loc = _extend_inputs(
+        query, kv_cache_layer, block_tables, seq_lens, query_start_loc)
+    num_seqs, group_pad = seq_lens.shape[0], triton.next_power_of_2(group)
+    picked_m, picked_tile = _extend_tiles(group_pad, head_dim, kv_cache_layer.element_size())
+    block_m = _check_tile("block_m", picked_m if block_m is None else block_m,
+                          least=-(-16 // group_pad))  # tl.dot wants >= 16 rows
+    tile_size = _check_tile("tile_size", picked_tile if tile_size is None else tile_size)
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     longest_query = int((query_start_loc[1:] - query_start_loc[:-1]).max()) if num_seqs else 0
     if longest_query == 0:
         return out
@@ -331,7 +369,7 @@ def extend_attention(query, kv_cache_layer, block_tables, seq_lens, query_start_
         query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         kv_cache_layer.stride(0), kv_cache_layer.stride(1), kv_cache_layer.stride(2),
         (head_dim ** -0.5 if scale is None else scale) * LOG2_E, GROUP=group,
-        GROUP_PAD=triton.next_power_of_2(group), HEAD_DIM=head_dim,
+        GROUP_PAD=group_pad, HEAD_DIM=head_dim,
         BLOCK_SIZE=kv_cache_layer.shape[2], BLOCK_M=block_m, TILE=tile_size,
         PRECISION=_dot_precision(kv_cache_layer.dtype))
     return out

@@ -193,3 +193,134 @@ def test_tile_sizes_tl_dot_cannot_take_are_refused():
         decode_attention(query, layer, tables, seq_lens, tile_size=8)
     with pytest.raises(ValueError, match="block_m"):
         extend_attention(query, layer, tables, seq_lens, starts, block_m=12)
+
+
+# ---- inputs the kernels once read wrongly ----
+
+@pytest.mark.heavy
+def test_query_not_contiguous_in_its_last_dimension():
+    # A permuted copy holds the same values with the head dimension strided; the kernels
+    # index that dimension as contiguous, so the launchers must hand them a contiguous copy.
+    query, layer, tables, seq_lens, starts, _ = make_batch([9, 40], [9, 1], 8)
+    strided = query.permute(0, 2, 1).contiguous().permute(0, 2, 1)
+    assert strided.stride(-1) != 1
+    expected = reference_paged_attention(query, layer, tables, seq_lens, starts)
+    assert_close(extend_attention(strided, layer, tables, seq_lens, starts), expected,
+                 torch.float16)
+    decode_query, decode_starts = strided[starts[1:] - 1], torch.arange(3)
+    expected = reference_paged_attention(query[starts[1:] - 1], layer, tables, seq_lens,
+                                         decode_starts)
+    assert_close(decode_attention(decode_query, layer, tables, seq_lens), expected,
+                 torch.float16)
+
+
+@pytest.mark.heavy
+def test_block_table_not_contiguous_in_its_last_dimension():
+    # A column-major table used to send the kernels to the wrong (or no) memory.
+    query, layer, tables, seq_lens, starts, _ = make_batch([9, 40], [1, 1], 4)
+    column_major = tables.t().contiguous().t()
+    assert column_major.stride(-1) != 1
+    expected = reference_paged_attention(query, layer, tables, seq_lens, starts)
+    for lookup in ("position", "tile"):
+        assert_close(decode_attention(query, layer, column_major, seq_lens, lookup=lookup),
+                     expected, torch.float16)
+    assert_close(extend_attention(query, layer, column_major, seq_lens, starts), expected,
+                 torch.float16)
+
+
+@pytest.mark.parametrize("num_splits", [0, 3, -2, 2.0])
+def test_num_splits_must_be_a_power_of_two(num_splits):
+    query, layer, tables, seq_lens, _, _ = make_batch([5], [1], 4)
+    with pytest.raises(ValueError, match="num_splits"):
+        decode_attention(query, layer, tables, seq_lens, num_splits=num_splits)
+
+
+def test_query_start_loc_must_cover_every_query_token():
+    query, layer, tables, seq_lens, starts, _ = make_batch([9, 40], [9, 1], 8)
+    with pytest.raises(ValueError, match="query_start_loc"):
+        extend_attention(query[:-1], layer, tables, seq_lens, starts)
+
+
+# ---- compiled for a T4 (sm_75) by Triton's own compiler: no GPU needed ----
+
+T4_SHARED_MEMORY = 64 * 1024  # the most shared memory one program may use on compute 7.5
+WITHOUT_OPT_IN = 48 * 1024  # what any GPU since Volta grants a program without asking
+
+COMPILE_FOR_T4 = r'''
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from minipaged import kernels as K
+
+TARGET = GPUTarget("cuda", 75, 32)
+FLOATS = {"scale_log2"}
+
+
+def compile_shared(kernel, dtype, constants, table="i32"):
+    """Compile kernel for sm_75 with every pointer typed; return its shared memory in bytes."""
+    signature = {}
+    for name in kernel.arg_names:
+        if name in constants:
+            signature[name] = "constexpr"
+        elif name.startswith("part_"):
+            signature[name] = "*fp32"
+        elif name in ("table_ptr", "seq_lens_ptr", "query_start_ptr"):
+            signature[name] = "*" + table
+        elif name == "slot_mapping_ptr":
+            signature[name] = "*i64"
+        elif name.endswith("_ptr"):
+            signature[name] = "*" + dtype
+        else:
+            signature[name] = "fp32" if name in FLOATS else "i32"
+    compiled = triton.compile(ASTSource(kernel, signature, constants), target=TARGET)
+    return compiled.metadata.shared
+
+
+results = []
+for dtype, size in (("fp16", 2), ("fp32", 4)):
+    precision = "ieee" if dtype == "fp32" else None
+    for head_dim in (64, 128, 256):
+        tile = K._decode_tile(head_dim, size)
+        # The lookups differ in address arithmetic only: per tile at one shape is enough.
+        lookups = ((False, 16), (True, 8)) if (dtype, head_dim) == ("fp16", 64) else ((False, 16),)
+        for per_tile, block_size in lookups:
+            constants = dict(GROUP=7, GROUP_PAD=16, HEAD_DIM=head_dim, PAGED=True,
+                             PER_TILE=per_tile, BLOCK_SIZE=block_size, TILE=tile,
+                             NUM_SPLITS=4, PRECISION=precision)
+            results.append(("decode", dtype, head_dim, block_size,
+                            compile_shared(K._decode_kernel, dtype, constants)))
+        for group in ((1, 7) if (dtype, head_dim) == ("fp16", 64) else (7,)):
+            group_pad = triton.next_power_of_2(group)
+            block_m, tile = K._extend_tiles(group_pad, head_dim, size)
+            constants = dict(GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim,
+                             BLOCK_SIZE=16, BLOCK_M=block_m, TILE=tile, PRECISION=precision)
+            results.append(("extend", dtype, head_dim, group,
+                            compile_shared(K._extend_kernel, dtype, constants)))
+results.append(("merge", "fp16", 64, 64, compile_shared(
+    K._merge_splits_kernel, "fp16", dict(HEAD_DIM=64, NUM_SPLITS=64))))
+results.append(("store", "fp16", 64, 16, compile_shared(
+    K._store_kv_kernel, "fp16", dict(HEAD_DIM=64, WIDTH=128, WIDTH_PAD=128, BLOCK_SIZE=16))))
+json.dump(results, sys.stdout)
+'''
+
+
+@pytest.mark.heavy
+def test_kernels_compile_for_a_t4_within_its_shared_memory():
+    # The interpreter accepts what the GPU compiler may refuse, so compile for compute 7.5
+    # (fp16 on FMA units) in a fresh process with the interpreter off, at the tile sizes the
+    # launchers pick, and check each program fits the shared memory any GPU grants by default.
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
+    run = subprocess.run([sys.executable, "-c", COMPILE_FOR_T4], capture_output=True,
+                         text=True, env=env, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = json.loads(run.stdout)
+    too_big = [row for row in results if row[-1] > min(WITHOUT_OPT_IN, T4_SHARED_MEMORY)]
+    assert not too_big, too_big
+    assert len(results) == 16
