@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minipaged.kv_cache import reference_paged_attention, reference_store_kv
+from minipaged.kv_cache import check_store_inputs, reference_paged_attention, reference_store_kv
 
 LOG2_E = 1.4426950408889634  # the kernels use exp2, so scores are scaled by log2(e)
 MAX_BLOCK_SIZE = 256
@@ -268,20 +268,10 @@ def _store_kv_kernel(key_ptr, value_ptr, cache_ptr, slot_mapping_ptr, stride_kt,
 
 def triton_store_kv(key, value, kv_cache_layer, slot_mapping) -> None:
     """Write key and value [T, Hkv, D] into kv_cache_layer through slot_mapping [T]."""
-    num_blocks, _, block_size, width = kv_cache_layer.shape
-    if key.dim() != 3 or key.shape != value.shape or key.shape[1] * key.shape[2] != width:
-        raise ValueError(f"key and value must both be [T, num_kv_heads, head_dim] with heads x "
-                         f"dim = {width}, got {tuple(key.shape)} and {tuple(value.shape)}")
-    slot_mapping = torch.as_tensor(slot_mapping, device=key.device).long()
-    if slot_mapping.shape != (key.shape[0],):
-        raise ValueError(f"slot_mapping must be [T={key.shape[0]}], "
-                         f"got {tuple(slot_mapping.shape)}")
+    slot_mapping = check_store_inputs(key, value, kv_cache_layer, slot_mapping)  # chapter 4
+    _, _, block_size, width = kv_cache_layer.shape
     if key.stride(2) != 1 or value.stride(2) != 1 or kv_cache_layer.stride(-1) != 1:
         raise ValueError("key, value and kv_cache_layer must be contiguous in their last dimension")
-    outside = (slot_mapping < -1) | (slot_mapping >= num_blocks * block_size)
-    if key.shape[0] and bool(outside.any()):
-        raise ValueError(f"slot_mapping holds a slot outside the pool's {num_blocks * block_size} "
-                         "slots (or below -1)")
     if key.shape[0]:
         _store_kv_kernel[(key.shape[0],)](
             key, value, kv_cache_layer, slot_mapping, key.stride(0), key.stride(1),

@@ -44,9 +44,9 @@ def _layer_geometry(kv_cache_layer: torch.Tensor) -> tuple[int, int, int]:
     return num_blocks, block_size, width
 
 
-def reference_store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache_layer: torch.Tensor,
-                       slot_mapping: torch.Tensor) -> None:
-    """Write token t's key and value into slot slot_mapping[t]; a slot of -1 is skipped."""
+def check_store_inputs(key: torch.Tensor, value: torch.Tensor, kv_cache_layer: torch.Tensor,
+                       slot_mapping) -> torch.Tensor:
+    """Validate a store's arguments (any implementation's); return slot_mapping as int64."""
     num_blocks, block_size, width = _layer_geometry(kv_cache_layer)
     if key.dim() != 3 or key.shape != value.shape or key.shape[1] * key.shape[2] != width:
         raise ValueError(f"key and value must both be [T, num_kv_heads, head_dim] with "
@@ -59,6 +59,14 @@ def reference_store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache_layer: t
     if bool(((slot_mapping < -1) | (slot_mapping >= num_slots)).any()):
         raise ValueError(f"slot_mapping holds a slot outside the pool's {num_slots} slots "
                          f"(or below -1): {slot_mapping.tolist()}")
+    return slot_mapping
+
+
+def reference_store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache_layer: torch.Tensor,
+                       slot_mapping: torch.Tensor) -> None:
+    """Write token t's key and value into slot slot_mapping[t]; a slot of -1 is skipped."""
+    _, block_size, width = _layer_geometry(kv_cache_layer)
+    slot_mapping = check_store_inputs(key, value, kv_cache_layer, slot_mapping)
     keep = slot_mapping >= 0  # -1 marks padding
     slots = slot_mapping[keep]
     blocks, offsets = slots // block_size, slots % block_size
