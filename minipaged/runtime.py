@@ -28,6 +28,11 @@ class Runtime:
     def full(self) -> bool:
         return self.scale == "full"
 
+    def __str__(self) -> str:
+        where = self.gpu_name or "CPU (Triton kernels run under its interpreter)"
+        sizes = "the seed's sizes" if self.full else "small sizes"
+        return f"Running on {where}, in {str(self.dtype).removeprefix('torch.')}, at {sizes}."
+
     def pick(self, small, full):
         """Return ``full`` at the seed's sizes (a GPU), ``small`` on a CPU."""
         return full if self.full else small

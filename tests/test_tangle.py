@@ -74,3 +74,4 @@ def test_every_chapter_is_in_the_table_of_contents_and_starts_with_the_setup_cel
         assert f"git+{url}" in first.source, f"{chapter.name}: setup cell must install from {url}"
         assert "Runtime.detect()" in first.source, chapter.name
         assert f"- file: chapters/{chapter.stem}\n" in toc, f"{chapter.name} is not in _toc.yml"
+    assert f"git clone {url} " in (ROOT / "book" / "colab.md").read_text()
