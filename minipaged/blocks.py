@@ -19,7 +19,7 @@ class KVCacheBlock:
 
     block_id: int
     ref_cnt: int = 0
-    block_hash: bytes | None = None  # set by prefix caching (chapter 8)
+    block_hash: bytes | None = None  # for prefix caching (a later chapter, planned)
     prev_free_block: KVCacheBlock | None = field(default=None, repr=False)
     next_free_block: KVCacheBlock | None = field(default=None, repr=False)
 
@@ -135,7 +135,7 @@ class BlockPool:
                 self.free_block_queue.append(block)
 
     def _pop_free_block(self) -> KVCacheBlock:
-        """Take the next free block (prefix caching overrides this to forget its hash)."""
+        """Take the next free block (a planned prefix cache would override this)."""
         return self.free_block_queue.popleft()
 
 
