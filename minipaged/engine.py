@@ -26,7 +26,8 @@ from minipaged.model import (
 from minipaged.sampling import SamplingParams, sample
 from minipaged.scheduler import KVCacheManager, Request, Scheduler, needs_sample
 
-# Which KV cache manager serves LLM(enable_prefix_caching=...); chapter 8 adds True.
+# Which KV cache manager serves LLM(enable_prefix_caching=...). Only False is served: prefix
+# caching is not implemented yet in minipaged; a planned chapter would register a manager for True.
 KV_CACHE_MANAGERS: dict[bool, type[KVCacheManager]] = {False: KVCacheManager}
 
 
@@ -166,7 +167,7 @@ PRESETS = {"random": lambda: ModelConfig.small(num_layers=2)}
 def determine_num_gpu_blocks(model: Qwen2ForCausalLM, block_size: int,
                              gpu_memory_utilization: float, max_num_batched_tokens: int,
                              kv_cache_memory_bytes: int | None = None) -> int:
-    """Blocks the cache can have: chapter 1's profiled budget on a GPU, a byte budget otherwise."""
+    """Blocks the cache can have: chapter 1's cache budget on a GPU, a fixed one otherwise."""
     param = next(model.parameters())
     per_token = model.config.kv_bytes_per_token(param.element_size())
     if kv_cache_memory_bytes is None and param.device.type != "cuda":
@@ -259,8 +260,8 @@ class LLM:
                  enable_prefix_caching: bool = False, attention_backend: str = "auto") -> None:
         check_block_size(block_size)
         if enable_prefix_caching not in KV_CACHE_MANAGERS:
-            raise ValueError("enable_prefix_caching needs the prefix-caching manager of chapter 8"
-                             " (import minipaged.prefix_cache first)")
+            raise ValueError(f"enable_prefix_caching={enable_prefix_caching!r}: prefix caching "
+                             "is not implemented yet in minipaged; leave it False")
         if not 0 < gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], "
                              f"got {gpu_memory_utilization!r}")

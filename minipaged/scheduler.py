@@ -95,7 +95,7 @@ class KVCacheManager:
         self.block_tables: dict[str, BlockTable] = {}
 
     def get_computed_blocks(self, request: Request) -> tuple[list, int]:
-        """Blocks already holding the request's first tokens, and how many tokens (chapter 8)."""
+        """Cached blocks of the request's prefix and their tokens: none, with no prefix cache."""
         return [], 0
 
     def can_admit(self, request: Request, num_computed_tokens: int = 0) -> bool:
@@ -187,12 +187,12 @@ class Scheduler:
 
 def _schedule(self: Scheduler) -> SchedulerOutput:
     """Running requests first (preempting from the back when short), then waiting ones."""
-    budget, manager = self.max_num_batched_tokens, self.kv_cache_manager
+    token_budget, manager = self.max_num_batched_tokens, self.kv_cache_manager
     out = SchedulerOutput([], {}, [])
     index = 0
-    while index < len(self.running) and budget > 0:
+    while index < len(self.running) and token_budget > 0:
         request = self.running[index]
-        num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+        num_new = min(request.num_tokens - request.num_computed_tokens, token_budget)
         while not manager.allocate_slots(request, num_new):
             victim = self.running.pop()  # the most recently scheduled request leaves
             self.preempt(victim)
@@ -203,16 +203,16 @@ def _schedule(self: Scheduler) -> SchedulerOutput:
             break
         out.scheduled_requests.append(request)
         out.num_scheduled_tokens[request.request_id] = num_new
-        budget -= num_new
+        token_budget -= num_new
         index += 1
-    while (not out.preempted_requests and self.waiting and budget > 0
+    while (not out.preempted_requests and self.waiting and token_budget > 0
            and len(self.running) < self.max_num_seqs):
         request = self.waiting[0]
         computed_blocks, num_computed = manager.get_computed_blocks(request)
         if not manager.can_admit(request, num_computed):
             break  # the whole of it must fit, or it waits
         request.num_computed_tokens = num_computed
-        num_new = min(request.num_tokens - num_computed, budget)
+        num_new = min(request.num_tokens - num_computed, token_budget)
         if not manager.allocate_slots(request, num_new, computed_blocks):
             break
         self.waiting.popleft()
@@ -220,7 +220,7 @@ def _schedule(self: Scheduler) -> SchedulerOutput:
         self.running.append(request)
         out.scheduled_requests.append(request)
         out.num_scheduled_tokens[request.request_id] = num_new
-        budget -= num_new
+        token_budget -= num_new
     return out
 
 

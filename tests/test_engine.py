@@ -172,6 +172,13 @@ def test_bad_engine_options_name_the_field(model, options, field):
         LLM(model=model, **options)
 
 
+def test_prefix_caching_is_refused_as_not_implemented(model):
+    with pytest.raises(ValueError, match="enable_prefix_caching=True: prefix caching is not "
+                                         "implemented yet"):
+        LLM(model=model, enable_prefix_caching=True)
+    assert minipaged.engine.KV_CACHE_MANAGERS == {False: minipaged.scheduler.KVCacheManager}
+
+
 def test_sampling_params_list_must_match(model):
     llm = LLM(model=model, max_model_len=64, num_gpu_blocks_override=8)
     with pytest.raises(ValueError, match="sampling_params"):
