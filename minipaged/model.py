@@ -142,15 +142,16 @@ def prepare_metadata(block_tables: Sequence[Sequence[int]], num_computed_tokens:
             raise ValueError(f"block_tables[{s}] holds {len(table)} blocks of {block_size}, "
                              f"too few for {int(seq_lens[s])} tokens")
     width = max(len(table) for table in block_tables)
-    tables = torch.zeros(len(block_tables), width, dtype=torch.int64)  # padding is never read
+    tables = torch.full((len(block_tables), width), -1, dtype=torch.int32)  # -1: padding
     for s, table in enumerate(block_tables):
-        tables[s, : len(table)] = torch.tensor(table, dtype=torch.int64)
+        tables[s, : len(table)] = torch.tensor(table, dtype=torch.int32)
     counts = torch.tensor(num_scheduled_tokens)
     query_start_loc = F.pad(counts.cumsum(0), (1, 0))
     seq_index = torch.repeat_interleave(torch.arange(len(counts)), counts)
     start = torch.tensor(num_computed_tokens) - query_start_loc[:-1]
     positions = torch.arange(int(counts.sum())) + start[seq_index]
-    slots = tables[seq_index, positions // block_size] * block_size + positions % block_size
+    blocks = tables[seq_index, positions // block_size].long()  # never a pad: checked above
+    slots = blocks * block_size + positions % block_size
     logits = None if logits_at_every_token else query_start_loc[1:] - 1
     move = lambda t: None if t is None else t.to(device)
     return AttentionMetadata(move(positions), move(slots), move(tables), move(seq_lens),

@@ -160,7 +160,8 @@ def test_prepare_metadata_pads_block_tables():
     metadata = prepare_metadata([[5], [1, 2, 3]], [0, 0], [2, 9], block_size=4,
                                 logits_at_every_token=True)
     assert metadata.block_tables.shape == (2, 3)
-    assert metadata.block_tables[1].tolist() == [1, 2, 3]
+    assert metadata.block_tables.dtype == torch.int32  # as vLLM keeps them
+    assert metadata.block_tables.tolist() == [[5, -1, -1], [1, 2, 3]]  # -1: padding, never read
     assert metadata.logits_indices is None
 
 
