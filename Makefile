@@ -15,8 +15,8 @@ export MINIPAGED_SHARE_EXECUTION ?= 1
 venv: $(STAMP)
 $(STAMP): requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet -r requirements.txt
-	$(BIN)/pip install --quiet --no-deps -e .
+	$(BIN)/pip install -qq -r requirements.txt
+	$(BIN)/pip install -qq --no-deps -e .
 	touch $(STAMP)
 
 ## Build the book into _build/html, executing every chapter; warnings are errors.
