@@ -4,6 +4,7 @@
 """The engine (scheduler, paged cache, model, sampler in one loop) and the LLM users import."""
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -99,7 +100,9 @@ def _add_request(self: LLMEngine, request_id: str, prompt_token_ids: list[int],
     generator = None
     if not sampling_params.greedy:  # its own random stream: same seed, same answer
         seed = sampling_params.seed
-        seed = hash((self.seed, request_id)) % 2**63 if seed is None else seed
+        # Python's hash() of a string changes from process to process; a digest does not.
+        digest = hashlib.sha256(f"{self.seed}:{request_id}".encode()).digest()
+        seed = int.from_bytes(digest[:8], "little") % 2**63 if seed is None else seed
         generator = torch.Generator(device=self.device).manual_seed(seed)
     request = Request(request_id, tokens, sampling_params, self.config.eos_token_id, generator)
     self.requests[request_id] = request

@@ -142,15 +142,16 @@ class SchedulerOutput:
 
 
 def check_stop(request: Request, max_model_len: int) -> bool:
-    """Mark the request finished when its last token ends it; the order of checks is vLLM's."""
+    """Mark the request finished when its last token ends it: end of sequence, then a stop
+    token, then the length cap, in the order vLLM's check_stop uses."""
     params, last = request.sampling_params, request.all_token_ids[-1]
-    if request.num_tokens >= max_model_len or (
-            params.max_tokens is not None and request.num_output_tokens >= params.max_tokens):
-        request.status = RequestStatus.FINISHED_LENGTH_CAPPED
-    elif not params.ignore_eos and last == request.eos_token_id:
+    if not params.ignore_eos and last == request.eos_token_id:
         request.status = RequestStatus.FINISHED_STOPPED
     elif last in params.stop_token_ids:
         request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, last
+    elif request.num_tokens >= max_model_len or (
+            params.max_tokens is not None and request.num_output_tokens >= params.max_tokens):
+        request.status = RequestStatus.FINISHED_LENGTH_CAPPED
     return request.status.finished
 
 

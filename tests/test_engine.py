@@ -1,5 +1,8 @@
 """The engine end to end: greedy answers equal transformers' in every regime, bad input refused."""
 import inspect
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -222,3 +225,18 @@ def test_methods_attached_after_the_fact_are_not_public_functions(module):
               if not name.startswith("_") and inspect.isfunction(value) and id(value) in methods]
     assert public == []
     assert not hasattr(module, "generate") and not hasattr(module, "schedule")
+
+
+def test_unseeded_sampling_is_reproducible_across_processes():
+    # LLM(seed=...) must give the same samples in a new process, whatever Python's hash seed.
+    script = ("from minipaged import LLM, SamplingParams; llm = LLM(model='random', seed=3); "
+              "out = llm.generate({'prompt_token_ids': [1, 2, 3]}, "
+              "SamplingParams(max_tokens=6, temperature=1.0), use_tqdm=False); "
+              "print(out[0].outputs[0].token_ids)")
+    answers = set()
+    for hash_seed in ("1", "2"):
+        env = dict(os.environ, PYTHONHASHSEED=hash_seed)
+        result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                                text=True, check=True)
+        answers.add(result.stdout.strip().splitlines()[-1])
+    assert len(answers) == 1

@@ -118,6 +118,15 @@ def test_stop_token_and_eos_finish_with_stop():
     assert ignoring.status.finish_reason == "length" and ignoring.num_output_tokens == 2
 
 
+def test_eos_on_the_last_allowed_token_is_a_stop_not_a_length_cap():
+    # vLLM's check_stop looks at the token before the length: the answer ended by itself.
+    scheduler, _ = make()
+    r = Request("a", [1, 2], SamplingParams(max_tokens=1), eos_token_id=3)
+    scheduler.add_request(r)
+    run_step(scheduler, token=3)
+    assert r.status.finish_reason == "stop"
+
+
 def test_max_model_len_caps_the_answer():
     scheduler, _ = make(max_model_len=12)
     r = Request("a", list(range(10)), SamplingParams(max_tokens=None))
