@@ -44,6 +44,14 @@ def _layer_geometry(kv_cache_layer: torch.Tensor) -> tuple[int, int, int]:
     return num_blocks, block_size, width
 
 
+def _as_index_tensor(name: str, values, device) -> torch.Tensor:
+    """Turn integer indices (a list or a tensor) into an int64 tensor; refuse floats and bools."""
+    values = torch.as_tensor(values, device=device)
+    if values.dtype == torch.bool or values.is_floating_point() or values.is_complex():
+        raise ValueError(f"{name} must hold integers, got dtype {values.dtype}")
+    return values.long()
+
+
 def check_store_inputs(key: torch.Tensor, value: torch.Tensor, kv_cache_layer: torch.Tensor,
                        slot_mapping) -> torch.Tensor:
     """Validate a store's arguments (any implementation's); return slot_mapping as int64."""
@@ -51,7 +59,10 @@ def check_store_inputs(key: torch.Tensor, value: torch.Tensor, kv_cache_layer: t
     if key.dim() != 3 or key.shape != value.shape or key.shape[1] * key.shape[2] != width:
         raise ValueError(f"key and value must both be [T, num_kv_heads, head_dim] with "
                          f"heads x dim = {width}, got {tuple(key.shape)} and {tuple(value.shape)}")
-    slot_mapping = torch.as_tensor(slot_mapping, device=kv_cache_layer.device).long()
+    if key.device != value.device or key.device != kv_cache_layer.device:
+        raise ValueError(f"key, value and kv_cache_layer must be on one device, got {key.device}, "
+                         f"{value.device} and {kv_cache_layer.device}")
+    slot_mapping = _as_index_tensor("slot_mapping", slot_mapping, kv_cache_layer.device)
     if slot_mapping.shape != (key.shape[0],):
         raise ValueError(f"slot_mapping must be [T={key.shape[0]}], "
                          f"got {tuple(slot_mapping.shape)}")
@@ -81,8 +92,9 @@ def gather_kv(kv_cache_layer: torch.Tensor, block_ids, length: int,
     if isinstance(num_kv_heads, bool) or not isinstance(num_kv_heads, int) or num_kv_heads < 1 \
             or width % num_kv_heads:
         raise ValueError(f"num_kv_heads must divide the layer's width {width}, got {num_kv_heads}")
-    block_ids = torch.as_tensor(block_ids, device=kv_cache_layer.device).long().reshape(-1)
-    if not 0 <= length <= block_ids.numel() * block_size:
+    block_ids = _as_index_tensor("block_ids", block_ids, kv_cache_layer.device).reshape(-1)
+    if isinstance(length, bool) or not isinstance(length, int) \
+            or not 0 <= length <= block_ids.numel() * block_size:
         raise ValueError(f"length {length} does not fit {block_ids.numel()} blocks of {block_size}")
     block_ids = block_ids[: -(-length // block_size)]  # only the blocks the length reaches
     if bool(((block_ids < 0) | (block_ids >= num_blocks)).any()):

@@ -113,3 +113,28 @@ def test_bad_batch_metadata_raises():
     with pytest.raises(ValueError, match="block"):
         reference_paged_attention(q, layer, torch.tensor([[9]]), torch.tensor([2]),
                                   torch.tensor([0, 2]))
+
+
+@pytest.mark.parametrize("slots", [torch.tensor([9.7]), torch.tensor([True]), [0.5]])
+def test_store_refuses_slots_that_are_not_integers_and_writes_nothing(slots):
+    layer = KVCache(1, 4, 4, 1, 2).layers[0]
+    one = torch.ones(1, 1, 2)
+    with pytest.raises(ValueError, match="slot_mapping must hold integers"):
+        reference_store_kv(one, one, layer, slots)
+    assert not layer.any()
+
+
+def test_store_refuses_key_and_value_on_different_devices_and_writes_nothing():
+    layer = KVCache(1, 4, 4, 1, 2).layers[0]
+    with pytest.raises(ValueError, match="one device"):
+        reference_store_kv(torch.ones(1, 1, 2), torch.empty(1, 1, 2, device="meta"), layer,
+                           torch.tensor([0]))
+    assert not layer.any()
+
+
+def test_gather_refuses_float_block_ids_and_lengths():
+    layer = KVCache(1, 4, 4, 1, 2).layers[0]
+    with pytest.raises(ValueError, match="block_ids must hold integers"):
+        gather_kv(layer, torch.tensor([1.7]), 1, 1)
+    with pytest.raises(ValueError, match="length"):
+        gather_kv(layer, [0, 1], 6.0, 1)
