@@ -86,7 +86,11 @@ def _check_count(name: str, value: int, minimum: int = 0) -> int:
 
 
 class BlockPool:
-    """A fixed number of blocks of block_size tokens, a free queue, and reference counts."""
+    """A fixed number of blocks of block_size tokens, a free queue, and reference counts.
+
+    num_allocator_calls counts the allocate calls that handed out at least one block: a call
+    that was refused, or that asked for none, is not counted.
+    """
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         block_size = _check_count("block_size", block_size, 1)
@@ -104,7 +108,6 @@ class BlockPool:
 
     def allocate(self, n: int) -> list[KVCacheBlock]:
         """Hand out n free blocks, each with count 1; all or nothing."""
-        self.num_allocator_calls += 1
         n = _check_count("n", n)
         if n > self.get_num_free_blocks():
             raise NoFreeBlocksError(f"asked for {n} blocks but only {self.get_num_free_blocks()}"
@@ -112,10 +115,13 @@ class BlockPool:
         blocks = [self._pop_free_block() for _ in range(n)]
         for block in blocks:
             block.ref_cnt = 1
+        if blocks:
+            self.num_allocator_calls += 1
         return blocks
 
     def incref(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Add one owner to each block (sharing); a free block leaves the free queue."""
+        blocks = self._check_own(blocks)  # all or nothing: check every block first
         for block in blocks:
             if block.ref_cnt == 0:
                 self.free_block_queue.remove(block)  # O(1) wherever it sits in the queue
@@ -123,7 +129,7 @@ class BlockPool:
 
     def free(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one owner from each block; those reaching zero join the tail in the order given."""
-        blocks = list(blocks)
+        blocks = self._check_own(blocks)
         drops: dict[int, int] = {}
         for block in blocks:  # check every count before changing any
             drops[block.block_id] = drops.get(block.block_id, 0) + 1
@@ -133,6 +139,16 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self.free_block_queue.append(block)
+
+    def _check_own(self, blocks: Iterable[KVCacheBlock]) -> list[KVCacheBlock]:
+        """Return blocks as a list if every one is this pool's own block object, else raise."""
+        blocks = list(blocks)
+        for block in blocks:
+            block_id = getattr(block, "block_id", None)
+            if not (type(block_id) is int and 0 <= block_id < self.num_blocks
+                    and self.blocks[block_id] is block):
+                raise ValueError(f"blocks: {block!r} is not a block of this pool")
+        return blocks
 
     def _pop_free_block(self) -> KVCacheBlock:
         """Take the next free block (a planned prefix cache would override this)."""
@@ -174,17 +190,20 @@ class BlockTable:
 
     def slot(self, position: int) -> int:
         """The pool slot holding position: table[position // B] * B + position % B."""
-        if not 0 <= position < self.capacity:
+        position = _check_count("position", position)  # a plain int, or ValueError
+        if position >= self.capacity:
             raise ValueError(f"position {position} is outside the table's {self.capacity} slots")
         block_id = self.blocks[position >> self._shift].block_id
         return (block_id << self._shift) | (position & self._mask)
 
     def slot_mapping(self, start: int, end: int) -> list[int]:
-        """The slots of positions start, ..., end - 1."""
-        if not 0 <= start <= end <= self.capacity:
+        """The slots of positions start, ..., end - 1, as plain ints."""
+        start, end = _check_count("start", start), _check_count("end", end)
+        if not start <= end <= self.capacity:
             raise ValueError(f"positions start={start}, end={end} do not fit the table's "
                              f"{self.capacity} slots")
-        return [self.slot(position) for position in range(start, end)]
+        shift, mask, blocks = self._shift, self._mask, self.blocks
+        return [(blocks[p >> shift].block_id << shift) | (p & mask) for p in range(start, end)]
 
     def share(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Append blocks another table holds, raising their counts; nothing is copied."""

@@ -76,8 +76,23 @@ def test_a_refused_allocation_changes_nothing():
 
 
 def test_allocate_rejects_a_negative_count():
+    pool = BlockPool(num_blocks=2, block_size=1)
     with pytest.raises(ValueError, match="n "):
-        BlockPool(num_blocks=2, block_size=1).allocate(-1)
+        pool.allocate(-1)
+    assert pool.num_allocator_calls == 0
+
+
+def test_only_allocations_that_hand_out_blocks_are_counted():
+    pool = BlockPool(num_blocks=3, block_size=4)
+    assert pool.allocate(0) == [] and pool.num_allocator_calls == 0
+    pool.allocate(2)
+    with pytest.raises(NoFreeBlocksError):
+        pool.allocate(2)
+    with pytest.raises(ValueError):
+        pool.allocate(1.0)
+    assert pool.num_allocator_calls == 1
+    pool.allocate(1)
+    assert pool.num_allocator_calls == 2
 
 
 def test_free_returns_blocks_to_the_tail_in_the_order_given():
@@ -109,6 +124,31 @@ def test_double_free_is_refused_whole():
     with pytest.raises(ValueError, match="freed more often"):
         pool.free([blocks[0], blocks[1], blocks[1]])
     assert [b.ref_cnt for b in blocks] == [1, 1] and queue_ids(pool) == [2]
+
+
+def test_incref_is_all_or_nothing():
+    pool = BlockPool(num_blocks=4, block_size=4)
+    pool.allocate(1)
+    with pytest.raises(ValueError, match="blocks: .*block_id=99.* not a block of this pool"):
+        pool.incref([pool.blocks[1], KVCacheBlock(99)])
+    assert [b.ref_cnt for b in pool.blocks] == [1, 0, 0, 0] and queue_ids(pool) == [1, 2, 3]
+
+
+@pytest.mark.parametrize("operation", ["free", "incref"])
+def test_a_block_of_another_pool_is_refused_and_nothing_changes(operation):
+    mine, theirs = BlockPool(num_blocks=2, block_size=4), BlockPool(num_blocks=2, block_size=4)
+    own = mine.allocate(1)[0]
+    stranger = theirs.allocate(1)[0]  # the same block_id, 0, but another pool's object
+    with pytest.raises(ValueError, match="blocks: .* not a block of this pool"):
+        getattr(mine, operation)([own, stranger])
+    assert own.ref_cnt == 1 and queue_ids(mine) == [1] and mine.get_num_free_blocks() == 1
+    assert stranger.ref_cnt == 1 and queue_ids(theirs) == [1]
+
+
+def test_the_free_queue_s_sentinels_are_not_blocks_of_the_pool():
+    pool = BlockPool(num_blocks=2, block_size=4)
+    with pytest.raises(ValueError, match="blocks"):
+        pool.incref([pool.free_block_queue.fake_free_list_head])
 
 
 def test_table_grows_by_the_difference_in_one_call():
@@ -143,6 +183,34 @@ def test_slot_is_block_times_size_plus_offset():
         table.slot(12)
     with pytest.raises(ValueError, match="end=13"):
         table.slot_mapping(0, 13)
+
+
+@pytest.mark.parametrize("position", [1.5, True, -1, "3", None])
+def test_slot_refuses_a_position_that_is_not_a_count(position):
+    table = BlockTable(BlockPool(num_blocks=4, block_size=4))
+    table.ensure_capacity(8)
+    with pytest.raises(ValueError, match="position"):
+        table.slot(position)
+
+
+@pytest.mark.parametrize(("start", "end", "name"), [(0.0, 2, "start"), (0, True, "end"),
+                                                    (-1, 2, "start"), (0, 2.5, "end")])
+def test_slot_mapping_refuses_bounds_that_are_not_counts(start, end, name):
+    table = BlockTable(BlockPool(num_blocks=4, block_size=4))
+    table.ensure_capacity(8)
+    with pytest.raises(ValueError, match=name):
+        table.slot_mapping(start, end)
+
+
+def test_numpy_positions_give_plain_int_slots():
+    np = pytest.importorskip("numpy")
+    pool = BlockPool(num_blocks=4, block_size=4)
+    pool.allocate(1)
+    table = BlockTable(pool)
+    table.ensure_capacity(8)
+    assert table.slot(np.int64(5)) == 9 and type(table.slot(np.int64(5))) is int
+    mapping = table.slot_mapping(np.int64(3), np.int64(6))
+    assert mapping == [7, 8, 9] and all(type(slot) is int for slot in mapping)
 
 
 def test_refused_growth_leaves_the_table_unchanged():
@@ -237,6 +305,16 @@ class PoolMachine(RuleBasedStateMachine):
         self.live.append(table)
         return table
 
+    @rule(table=tables, stranger_id=st.integers(0, 23),
+          operation=st.sampled_from(["incref", "free"]))
+    def refuse_a_stranger(self, table, stranger_id, operation):
+        # a block of another pool among this pool's own: refused whole, nothing changes
+        before = ([b.ref_cnt for b in self.pool.blocks], list(self.pool.free_block_queue))
+        stranger = BlockPool(num_blocks=24, block_size=4).blocks[stranger_id]
+        with pytest.raises(ValueError, match="not a block of this pool"):
+            getattr(self.pool, operation)(table.blocks + [stranger])
+        assert ([b.ref_cnt for b in self.pool.blocks], list(self.pool.free_block_queue)) == before
+
     @rule(table=consumes(tables))
     def finish(self, table):
         if table in self.live:
@@ -250,9 +328,9 @@ class PoolMachine(RuleBasedStateMachine):
         try:
             assert table.ensure_capacity(num_tokens) == needed
         except (NoFreeBlocksError, ValueError):
-            # refused: nothing changed but the count of calls (one at most)
-            assert (table.block_ids, self.pool.get_num_free_blocks()) == before[:2]
-            assert self.pool.num_allocator_calls - before[2] <= 1
+            # refused: nothing changed, not even the count of calls
+            assert (table.block_ids, self.pool.get_num_free_blocks(),
+                    self.pool.num_allocator_calls) == before
             return
         assert table.capacity >= num_tokens
         assert self.pool.num_allocator_calls - before[2] == (1 if needed else 0)
