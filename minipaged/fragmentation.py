@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import operator
 from bisect import bisect_left, insort
 from dataclasses import dataclass
 from functools import lru_cache
@@ -18,17 +19,35 @@ SEED_POOL_TOKENS = SEED_NUM_BLOCKS * SEED_BLOCK_SIZE
 MAX_MODEL_LEN = 2_048  # the longest sequence (prompt plus answer) the server accepts
 
 
+def _whole(name: str, value, minimum: int) -> int:
+    """value as an int when it is an integer (numpy's too) of at least minimum, else ValueError."""
+    try:
+        number = operator.index(value)  # refuses floats, so 2.5 and NaN never get this far
+    except TypeError:
+        number = None
+    if isinstance(value, (bool, np.bool_)) or number is None or number < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return number
+
+
+def _finite(name: str, value, allow_zero: bool = False) -> float:
+    """value as a float when it is finite and positive (or zero, if allowed), else ValueError."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.number)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    number = float(value)
+    if not math.isfinite(number) or number < 0 or (number == 0 and not allow_zero):
+        bound = "non-negative" if allow_zero else "positive"
+        raise ValueError(f"{name} must be finite and {bound}, got {value!r}")
+    return number
+
+
 def sample_total_lengths(num: int, seed: int = 0, median: float = 180.0, mean: float = 260.0,
                          cap: int = 2048) -> np.ndarray:
     """Total lengths (prompt plus answer) drawn from a lognormal, rounded, clipped to [1, cap]."""
-    if num < 0:
-        raise ValueError(f"num must be non-negative, got {num}")
-    if not median > 0:
-        raise ValueError(f"median must be positive, got {median}")
+    num, cap = _whole("num", num, 0), _whole("cap", cap, 1)
+    median, mean = _finite("median", median), _finite("mean", mean)
     if median > mean:
         raise ValueError(f"median ({median}) must not exceed mean ({mean}) for a lognormal")
-    if cap < 1:
-        raise ValueError(f"cap must be at least 1, got {cap}")
     sigma = math.sqrt(2.0 * math.log(mean / median))
     draws = np.random.default_rng(seed).lognormal(math.log(median), sigma, size=num)
     return np.clip(np.rint(draws), 1, cap).astype(np.int64)
@@ -42,6 +61,25 @@ class Workload:
     prompt_lens: np.ndarray
     answer_lens: np.ndarray
     decode_rate: float  # answer tokens each running sequence writes per second
+
+    def __post_init__(self) -> None:
+        arrivals = np.asarray(self.arrival_times, dtype=np.float64)
+        if arrivals.ndim != 1 or len(arrivals) == 0:
+            raise ValueError(f"arrival_times must be a non-empty 1-D array, got {arrivals.shape}")
+        if not np.all(np.isfinite(arrivals)) or np.any(np.diff(arrivals) < 0):
+            raise ValueError("arrival_times must be finite and in non-decreasing order")
+        fields = {"arrival_times": arrivals}
+        for name, least in (("prompt_lens", 0), ("answer_lens", 1)):
+            lens = np.asarray(getattr(self, name))
+            if lens.shape != arrivals.shape or lens.dtype.kind not in "iu":
+                raise ValueError(f"{name} must hold {len(arrivals)} integers, one per arrival, "
+                                 f"got shape {lens.shape} of {lens.dtype}")
+            if np.any(lens < least):
+                raise ValueError(f"{name} must all be at least {least}")
+            fields[name] = lens.astype(np.int64, copy=False)
+        fields["decode_rate"] = _finite("decode_rate", self.decode_rate)
+        for name, value in fields.items():
+            object.__setattr__(self, name, value)  # the dataclass is frozen
 
     @property
     def num_requests(self) -> int:
@@ -64,12 +102,9 @@ class Workload:
 def make_workload(num_requests: int, arrival_rate: float, seed: int = 0, decode_rate: float = 30.0,
                   prompt_share: tuple[float, float] = (0.2, 0.8), **length_kwargs) -> Workload:
     """A seeded trace: lognormal lengths, a uniform prompt share, Poisson arrivals."""
-    if num_requests < 1:
-        raise ValueError(f"num_requests must be at least 1, got {num_requests}")
-    if not arrival_rate > 0:
-        raise ValueError(f"arrival_rate must be positive, got {arrival_rate}")
-    if not decode_rate > 0:
-        raise ValueError(f"decode_rate must be positive, got {decode_rate}")
+    num_requests = _whole("num_requests", num_requests, 1)
+    arrival_rate = _finite("arrival_rate", arrival_rate)
+    decode_rate = _finite("decode_rate", decode_rate)
     low, high = prompt_share
     if not 0 <= low <= high < 1:
         raise ValueError(f"prompt_share must satisfy 0 <= low <= high < 1, got {prompt_share}")
@@ -78,7 +113,7 @@ def make_workload(num_requests: int, arrival_rate: float, seed: int = 0, decode_
     share = rng.uniform(low, high, size=num_requests)
     answer = np.clip(np.rint(total * (1.0 - share)), 1, total).astype(np.int64)
     arrivals = np.cumsum(rng.exponential(1.0 / arrival_rate, size=num_requests))
-    return Workload(arrivals, total - answer, answer, float(decode_rate))
+    return Workload(arrivals, total - answer, answer, decode_rate)
 
 
 @lru_cache(maxsize=32)
@@ -93,10 +128,7 @@ def workload_moments(decode_rate: float = 30.0, prompt_share: tuple[float, float
 def arrival_rate_for_load(load: float, pool_tokens: int, decode_rate: float = 30.0,
                           prompt_share: tuple[float, float] = (0.2, 0.8)) -> float:
     """Requests per second that offer this load (exact-fit token-seconds over the pool)."""
-    if not load > 0:
-        raise ValueError(f"load must be positive, got {load}")
-    if pool_tokens <= 0:
-        raise ValueError(f"pool_tokens must be positive, got {pool_tokens}")
+    load, pool_tokens = _finite("load", load), _whole("pool_tokens", pool_tokens, 1)
     _, token_seconds = workload_moments(decode_rate, tuple(prompt_share))
     return load * pool_tokens / token_seconds
 
@@ -107,9 +139,7 @@ class Allocator:
     name = "allocator"
 
     def __init__(self, pool_tokens: int):
-        if pool_tokens <= 0:
-            raise ValueError(f"pool_tokens must be positive, got {pool_tokens}")
-        self.pool_tokens = pool_tokens
+        self.pool_tokens = _whole("pool_tokens", pool_tokens, 1)
         self.held_tokens = 0  # set aside for live requests
         self.requested_tokens = 0  # final lengths of live requests
         self.live: dict[int, tuple] = {}  # request id -> where it sits
@@ -130,11 +160,12 @@ class Allocator:
         """The longest request (in tokens of demand) that could be placed now."""
         raise NotImplementedError
 
-    def _check_new(self, request_id: int, num_tokens: int) -> None:
-        if num_tokens < 1:
-            raise ValueError(f"num_tokens must be at least 1, got {num_tokens}")
+    def _check_new(self, request_id: int, num_tokens: int) -> int:
+        """Validate a new request before any state changes; return its length as an int."""
+        num_tokens = _whole("num_tokens", num_tokens, 1)
         if request_id in self.live:
             raise ValueError(f"request_id {request_id} is already admitted")
+        return num_tokens
 
     def _forget(self, request_id: int) -> tuple:
         if request_id not in self.live:
@@ -245,7 +276,7 @@ class ExactFit(Allocator):
         return num_tokens
 
     def admit(self, request_id: int, num_tokens: int) -> bool:
-        self._check_new(request_id, num_tokens)
+        num_tokens = self._check_new(request_id, num_tokens)
         size = self.demand(num_tokens)
         start = self._find(size)
         if start is None:
@@ -272,18 +303,20 @@ class MaxLengthReservation(ExactFit):
     name = "reservation"
 
     def __init__(self, pool_tokens: int, max_model_len: int = MAX_MODEL_LEN):
-        if max_model_len < 1:
-            raise ValueError(f"max_model_len must be at least 1, got {max_model_len}")
+        self.max_model_len = _whole("max_model_len", max_model_len, 1)
         super().__init__(pool_tokens)
-        self.max_model_len = max_model_len
+        if self.pool_tokens < self.max_model_len:
+            raise ValueError(f"pool_tokens ({pool_tokens}) must hold at least one reservation of "
+                             f"max_model_len {max_model_len}")
 
     def demand(self, num_tokens):
         return num_tokens * 0 + self.max_model_len  # an int for an int, an array for an array
 
-    def admit(self, request_id: int, num_tokens: int) -> bool:
+    def _check_new(self, request_id: int, num_tokens: int) -> int:
+        num_tokens = super()._check_new(request_id, num_tokens)
         if num_tokens > self.max_model_len:
             raise ValueError(f"num_tokens {num_tokens} exceeds max_model_len {self.max_model_len}")
-        return super().admit(request_id, num_tokens)
+        return num_tokens
 
 
 class BlockAllocator(Allocator):
@@ -293,17 +326,18 @@ class BlockAllocator(Allocator):
 
     def __init__(self, pool_tokens: int, block_size: int = SEED_BLOCK_SIZE):
         super().__init__(pool_tokens)
-        if block_size < 1:
-            raise ValueError(f"block_size must be at least 1, got {block_size}")
-        self.block_size = block_size
-        self.num_blocks = pool_tokens // block_size
+        self.block_size = _whole("block_size", block_size, 1)
+        if self.pool_tokens < self.block_size:
+            raise ValueError(f"pool_tokens ({pool_tokens}) must hold at least one block of "
+                             f"block_size {block_size}")
+        self.num_blocks = self.pool_tokens // self.block_size
         self.num_free_blocks = self.num_blocks
 
     def demand(self, num_tokens):
         return -(-num_tokens // self.block_size) * self.block_size
 
     def admit(self, request_id: int, num_tokens: int) -> bool:
-        self._check_new(request_id, num_tokens)
+        num_tokens = self._check_new(request_id, num_tokens)
         blocks = -(-num_tokens // self.block_size)
         if blocks > self.num_free_blocks:
             return False
@@ -361,25 +395,41 @@ class SimulationResult:
         demand = self.demands[self.refused][counted]
         return int(np.sum(self.refusal_free[counted] >= demand))
 
+    @property
+    def refused_token_seconds(self) -> float:
+        """Share of the token-seconds (length x lifetime) offered after the warm-up, refused."""
+        w = self.workload
+        counted = w.arrival_times >= self.warmup
+        weight = w.total_lens * w.lifetimes
+        return float(np.sum(weight[counted & ~self.admitted]) / np.sum(weight[counted]))
+
 
 def simulate(workload: Workload, allocator: Allocator, warmup: float = 0.0) -> SimulationResult:
     """Play the trace through the allocator: finishes due are released before each arrival."""
     arrivals = workload.arrival_times.tolist()
+    last = arrivals[-1]
+    if isinstance(warmup, bool) or not isinstance(warmup, (int, float, np.number)) or not (
+            0 <= warmup < last):  # NaN fails the comparison too
+        raise ValueError(f"warmup must satisfy 0 <= warmup < {last} (last arrival), got {warmup!r}")
+    if allocator.live:
+        raise ValueError(f"allocator must start empty, but it holds {len(allocator.live)} requests")
     finishes = workload.finish_times.tolist()
     lengths = workload.total_lens.tolist()
     admitted = np.zeros(len(arrivals), dtype=bool)
     refusal_held: list[int] = []
     departures: list[tuple[float, int]] = []
-    for i, now in enumerate(arrivals):
-        while departures and departures[0][0] <= now:
+    try:
+        for i, now in enumerate(arrivals):
+            while departures and departures[0][0] <= now:
+                allocator.release(heapq.heappop(departures)[1])
+            if allocator.admit(i, lengths[i]):
+                admitted[i] = True
+                heapq.heappush(departures, (finishes[i], i))
+            else:
+                refusal_held.append(allocator.held_tokens)
+    finally:  # drain, so every admitted request is released once, even if the allocator raised
+        while departures:
             allocator.release(heapq.heappop(departures)[1])
-        if allocator.admit(i, lengths[i]):
-            admitted[i] = True
-            heapq.heappush(departures, (finishes[i], i))
-        else:
-            refusal_held.append(allocator.held_tokens)
-    while departures:  # drain, so every admitted request is released exactly once
-        allocator.release(heapq.heappop(departures)[1])
     held = np.asarray(refusal_held, dtype=np.int64)
     return SimulationResult(allocator.name, allocator.pool_tokens, workload,
                             np.asarray(allocator.demand(workload.total_lens), dtype=np.int64),
@@ -436,10 +486,7 @@ def three_allocators(pool_tokens: int, block_size: int = SEED_BLOCK_SIZE,
 
 def erlang_b(servers: int, offered: float) -> float:
     """Chance that an arrival finds every server busy, for a loss system (Erlang's B formula)."""
-    if servers < 0:
-        raise ValueError(f"servers must be non-negative, got {servers}")
-    if offered < 0:
-        raise ValueError(f"offered must be non-negative, got {offered}")
+    servers, offered = _whole("servers", servers, 0), _finite("offered", offered, allow_zero=True)
     blocking = 1.0
     for k in range(1, servers + 1):
         blocking = offered * blocking / (k + offered * blocking)

@@ -78,6 +78,11 @@ def test_lengths_have_the_requested_median_and_mean():
     ({"num": 10, "median": 300.0, "mean": 260.0}, "median"),
     ({"num": 10, "median": 0.0}, "median"),
     ({"num": 10, "cap": 0}, "cap"),
+    ({"num": 3, "mean": float("nan")}, "mean"),  # used to return INT64_MIN
+    ({"num": 3, "mean": float("inf")}, "mean"),
+    ({"num": 3, "median": float("nan")}, "median"),
+    ({"num": 3, "cap": float("nan")}, "cap"),
+    ({"num": 2.5}, "num"),
 ])
 def test_lengths_reject_bad_input(kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -111,6 +116,30 @@ def test_workload_rejects_bad_input(kwargs, field):
         make_workload(**kwargs)
 
 
+def test_workload_from_lists_adds_elementwise():
+    trace = Workload([0.0, 1.0], [5, 5], [5, 15], decode_rate=1)
+    np.testing.assert_array_equal(trace.total_lens, [10, 20])  # not the list [5, 5, 5, 15]
+    np.testing.assert_array_equal(trace.lifetimes, [5.0, 15.0])
+    assert isinstance(trace.arrival_times, np.ndarray) and trace.decode_rate == 1.0
+
+
+@pytest.mark.parametrize("fields, field", [
+    (([0.0, 1.0], [5], [5, 15], 1.0), "prompt_lens"),
+    (([0.0, 1.0], [5, 5], [5], 1.0), "answer_lens"),
+    (([0.0, 1.0], [5.0, 5.0], [5, 15], 1.0), "prompt_lens"),  # lengths are whole tokens
+    (([0.0, 1.0], [5, 5], [5, 0], 1.0), "answer_lens"),
+    (([0.0, 1.0], [-1, 5], [5, 5], 1.0), "prompt_lens"),
+    (([1.0, 0.0], [5, 5], [5, 5], 1.0), "arrival_times"),
+    (([0.0, float("nan")], [5, 5], [5, 5], 1.0), "arrival_times"),
+    (([], [], [], 1.0), "arrival_times"),
+    (([0.0], [5], [5], float("nan")), "decode_rate"),
+    (([0.0], [5], [5], 0.0), "decode_rate"),
+])
+def test_workload_fields_are_checked(fields, field):
+    with pytest.raises(ValueError, match=field):
+        Workload(*fields)
+
+
 def test_offered_load_matches_its_definition():
     rate = arrival_rate_for_load(0.7, 100_000)
     trace = make_workload(200_000, rate, seed=1)
@@ -122,7 +151,10 @@ def test_offered_load_matches_its_definition():
 
 
 @pytest.mark.parametrize("load, pool, field", [(0.0, 10, "load"), (-1.0, 10, "load"),
-                                               (1.0, 0, "pool_tokens"), (1.0, -5, "pool_tokens")])
+                                               (float("nan"), 10, "load"),
+                                               (float("inf"), 10, "load"),
+                                               (1.0, 0, "pool_tokens"), (1.0, -5, "pool_tokens"),
+                                               (1.0, float("nan"), "pool_tokens")])
 def test_load_rejects_bad_input(load, pool, field):
     with pytest.raises(ValueError, match=field):
         arrival_rate_for_load(load, pool)
@@ -230,9 +262,9 @@ def test_exact_fit_refuses_only_when_no_run_is_long_enough(fit, pool, program):
 
 
 @settings(max_examples=80, deadline=None)
-@given(pool=st.integers(1, 60), block_size=st.integers(1, 8), program=operations)
-def test_blocks_refuse_only_when_too_few_blocks_are_free(pool, block_size, program):
-    allocator = BlockAllocator(pool, block_size)
+@given(extra=st.integers(0, 59), block_size=st.integers(1, 8), program=operations)
+def test_blocks_refuse_only_when_too_few_blocks_are_free(extra, block_size, program):
+    allocator = BlockAllocator(block_size + extra, block_size)  # at least one block
 
     def check(allocator, request_id, size, admitted):
         needed = -(-size // block_size)
@@ -273,6 +305,10 @@ def test_reservation_rejects_requests_longer_than_the_limit():
     (lambda: BlockAllocator(1024, block_size=-4), "block_size"),
     (lambda: ExactFit(1024, fit="worst"), "fit"),
     (lambda: MaxLengthReservation(1024, max_model_len=0), "max_model_len"),
+    (lambda: BlockAllocator(10, block_size=16), "pool_tokens"),  # not even one block
+    (lambda: MaxLengthReservation(100, max_model_len=2048), "pool_tokens"),  # no slot
+    (lambda: ExactFit(10.5), "pool_tokens"),
+    (lambda: BlockAllocator(64, block_size=4.0), "block_size"),
 ])
 def test_allocators_reject_bad_configuration(make, field):
     with pytest.raises(ValueError, match=field):
@@ -293,6 +329,35 @@ def test_admit_and_release_are_checked(allocator):
     with pytest.raises(ValueError, match="request_id"):
         allocator.release(99)  # never admitted
     assert allocator.held_tokens == 0
+
+
+def pool_state(allocator):
+    """Everything an admit may change, for before-and-after comparisons."""
+    state = [allocator.held_tokens, allocator.requested_tokens, dict(allocator.live)]
+    if isinstance(allocator, ExactFit):
+        state += [allocator.extents.extents(), list(allocator.extents.tree.nodes)]
+    else:
+        state.append(allocator.num_free_blocks)
+    return state
+
+
+@pytest.mark.parametrize("make", [lambda: ExactFit(10), lambda: ExactFit(10, fit="best"),
+                                  lambda: BlockAllocator(10, 2),
+                                  lambda: MaxLengthReservation(10, 4)])
+@pytest.mark.parametrize("bad", [2.5, 3.0, float("nan"), float("inf"), True, np.float64(2),
+                                 "3", None, 0, -1])
+def test_a_refused_length_leaves_the_pool_untouched(make, bad):
+    allocator = make()
+    assert allocator.admit(0, 2)
+    before = pool_state(allocator)
+    with pytest.raises(ValueError, match="num_tokens"):
+        allocator.admit(1, bad)
+    assert pool_state(allocator) == before
+    assert allocator.admit(1, 4)  # ExactFit(10).admit(0, 2.5) used to leave this refused
+    assert allocator.admit(2, np.int64(3)) == (not isinstance(allocator, MaxLengthReservation))
+    for request_id in list(allocator.live):
+        allocator.release(request_id)
+    assert allocator.held_tokens == 0 and allocator.largest_free_run() >= 10 - 10 % 2
 
 
 def test_demand_works_on_ints_and_arrays():
@@ -352,6 +417,50 @@ def test_same_seed_same_numbers():
         np.testing.assert_array_equal(a.refusal_occupancy, b.refusal_occupancy)
         assert pool_shares(a) == pool_shares(b)
     assert any(not np.array_equal(a.admitted, b.admitted) for a, b in zip(run(11), run(12)))
+
+
+def test_simulate_releases_everything_when_the_allocator_raises():
+    reservation = MaxLengthReservation(8_192, max_model_len=2_048)
+    bad = Workload([0.0, 1.0, 2.0, 3.0], [0, 0, 0, 0], [10, 20, 3_000, 10], decode_rate=1.0)
+    with pytest.raises(ValueError, match="max_model_len"):
+        simulate(bad, reservation)  # the third request is longer than the limit
+    assert not reservation.live and reservation.held_tokens == 0
+    assert reservation.requested_tokens == 0
+    good = Workload([0.0, 1.0, 2.0, 3.0, 4.0], [0] * 5, [5] * 5, decode_rate=1.0)
+    result = simulate(good, reservation)  # all four slots free again: only the fifth is refused
+    assert result.admitted.tolist() == [True, True, True, True, False]
+
+
+def test_simulate_needs_an_empty_allocator():
+    allocator = ExactFit(100)
+    allocator.admit(99, 10)
+    with pytest.raises(ValueError, match="allocator"):
+        simulate(make_workload(10, 1.0), allocator)
+
+
+@pytest.mark.parametrize("warmup", [-1.0, float("nan"), float("inf"), "last", "beyond", True])
+def test_warmup_must_leave_a_window(warmup):
+    trace = make_workload(50, 5.0, seed=3)
+    last = float(trace.arrival_times[-1])
+    warmup = {"last": last, "beyond": last + 10.0}.get(warmup, warmup)
+    with pytest.raises(ValueError, match="warmup"):
+        simulate(trace, ExactFit(1_000_000), warmup=warmup)
+    result = simulate(trace, ExactFit(1_000_000), warmup=last - 1e-9)  # the last arrival alone
+    assert result.refusal_rate == 0 and result.refused_token_seconds == 0
+
+
+def test_refused_token_seconds_against_a_loop():
+    trace = make_workload(3_000, arrival_rate_for_load(1.2, 40_000), seed=8)
+    for allocator in three_allocators(40_000):
+        result = simulate(trace, allocator, warmup=10.0)
+        offered = refused = 0.0
+        for i in range(trace.num_requests):
+            if trace.arrival_times[i] >= 10.0:
+                weight = trace.total_lens[i] * trace.answer_lens[i] / trace.decode_rate
+                offered += weight
+                refused += 0.0 if result.admitted[i] else weight
+        assert result.refused_token_seconds == pytest.approx(refused / offered)
+        assert 0 < result.refused_token_seconds < 1
 
 
 def test_external_refusals_are_counted_apart():
@@ -427,6 +536,10 @@ def test_erlang_b_known_values():
         erlang_b(-1, 1.0)
     with pytest.raises(ValueError, match="offered"):
         erlang_b(3, -1.0)
+    with pytest.raises(ValueError, match="offered"):
+        erlang_b(3, float("nan"))  # used to return nan
+    with pytest.raises(ValueError, match="servers"):
+        erlang_b(2.5, 1.0)
 
 
 @pytest.mark.heavy
