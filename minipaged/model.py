@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+import operator
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -46,8 +47,24 @@ class ModelConfig:
                              f"of num_key_value_heads ({self.num_key_value_heads})")
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
-        if not self.rope_theta > 0 or not self.rms_norm_eps > 0:
-            raise ValueError("rope_theta and rms_norm_eps must be positive")
+        for name in ("rope_theta", "rms_norm_eps"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+                raise ValueError(f"{name} must be a positive number, got {value!r}")
+            object.__setattr__(self, name, float(value))  # frozen: set once, here
+        eos = self.eos_token_id
+        if eos is not None and (not isinstance(eos, int) or isinstance(eos, bool) or eos < 0):
+            raise ValueError(f"eos_token_id must be a token id (an integer >= 0), got {eos!r}")
+
+
+def _field(config: Mapping, name: str, default=None):
+    """config[name], where a missing key or a null both mean the default; no default: required."""
+    value = config.get(name)
+    if value is None:
+        if default is None:
+            raise ValueError(f"config.json has no {name}")
+        return default
+    return value
 
 
 def _from_hf_config(cls, config: Mapping) -> ModelConfig:
@@ -63,19 +80,27 @@ def _from_hf_config(cls, config: Mapping) -> ModelConfig:
     if rope.get("rope_type", rope.get("type", "default")) != "default":
         raise ValueError(f"rope_scaling {rope!r} is not supported, only plain rotary embeddings")
     eos = config.get("eos_token_id")
+    if isinstance(eos, list):  # several end tokens: the model keeps the first
+        if not eos:
+            raise ValueError("eos_token_id is an empty list; give a token id or leave it out")
+        eos = eos[0]
+    heads, hidden = _field(config, "num_attention_heads"), _field(config, "hidden_size")
+    head_dim = config.get("head_dim")  # a value present is used as it is, zero included
+    if head_dim is None and isinstance(heads, int) and isinstance(hidden, int) and heads > 0:
+        head_dim = hidden // heads  # Qwen2.5's files leave it out
     return cls(
-        vocab_size=config["vocab_size"],
-        hidden_size=config["hidden_size"],
-        intermediate_size=config["intermediate_size"],
-        num_hidden_layers=config["num_hidden_layers"],
-        num_attention_heads=config["num_attention_heads"],
-        num_key_value_heads=config.get("num_key_value_heads", config["num_attention_heads"]),
-        head_dim=config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
-        max_position_embeddings=config["max_position_embeddings"],
-        rope_theta=float(config.get("rope_theta") or rope.get("rope_theta", 10_000.0)),
-        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        vocab_size=_field(config, "vocab_size"),
+        hidden_size=hidden,
+        intermediate_size=_field(config, "intermediate_size"),
+        num_hidden_layers=_field(config, "num_hidden_layers"),
+        num_attention_heads=heads,
+        num_key_value_heads=_field(config, "num_key_value_heads", heads),
+        head_dim=head_dim,
+        max_position_embeddings=_field(config, "max_position_embeddings"),
+        rope_theta=_field(config, "rope_theta", _field(rope, "rope_theta", 10_000.0)),
+        rms_norm_eps=_field(config, "rms_norm_eps", 1e-6),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-        eos_token_id=eos[0] if isinstance(eos, list) else eos,  # the first, when there are several
+        eos_token_id=eos,
     )
 
 
@@ -115,6 +140,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [S, max_blocks] physical block ids of each sequence
     seq_lens: torch.Tensor  # [S] context length of each sequence, this step's tokens included
     query_start_loc: torch.Tensor  # [S + 1] where each sequence's tokens start in the batch
+    block_size: int  # tokens per block, which the slots above were computed with
     logits_indices: torch.Tensor | None = None  # [S] tokens that need logits; None = every one
 
     @property
@@ -126,6 +152,19 @@ class AttentionMetadata:
         return self.seq_lens.shape[0]
 
 
+def _counts(name: str, values: Sequence[int], least: int) -> list[int]:
+    """The values as Python ints, each at least `least`; anything else is refused by name."""
+    try:
+        if any(isinstance(v, bool) for v in values):
+            raise TypeError
+        counts = [operator.index(v) for v in values]  # ints (numpy's too), never floats
+    except TypeError:
+        raise ValueError(f"{name} must hold integers, got {list(values)}") from None
+    if any(n < least for n in counts):
+        raise ValueError(f"{name} must be >= {least} each, got {counts}")
+    return counts
+
+
 def prepare_metadata(block_tables: Sequence[Sequence[int]], num_computed_tokens: Sequence[int],
                      num_scheduled_tokens: Sequence[int], block_size: int, device="cpu",
                      logits_at_every_token: bool = False) -> AttentionMetadata:
@@ -133,11 +172,12 @@ def prepare_metadata(block_tables: Sequence[Sequence[int]], num_computed_tokens:
     if not 0 < len(block_tables) == len(num_computed_tokens) == len(num_scheduled_tokens):
         raise ValueError("block_tables, num_computed_tokens and num_scheduled_tokens must have "
                          "one entry per sequence each, for at least one sequence")
-    if any(n < 1 for n in num_scheduled_tokens):
-        raise ValueError(f"num_scheduled_tokens must be >= 1 each, "
-                         f"got {list(num_scheduled_tokens)}")
-    seq_lens = torch.tensor(num_computed_tokens) + torch.tensor(num_scheduled_tokens)
+    (block_size,) = _counts("block_size", [block_size], 1)
+    computed = torch.tensor(_counts("num_computed_tokens", num_computed_tokens, 0))
+    counts = torch.tensor(_counts("num_scheduled_tokens", num_scheduled_tokens, 1))
+    seq_lens = computed + counts
     for s, table in enumerate(block_tables):
+        _counts(f"block_tables[{s}]", table, 0)  # block ids: no -1, no wrap-around from the end
         if len(table) * block_size < seq_lens[s]:
             raise ValueError(f"block_tables[{s}] holds {len(table)} blocks of {block_size}, "
                              f"too few for {int(seq_lens[s])} tokens")
@@ -145,17 +185,16 @@ def prepare_metadata(block_tables: Sequence[Sequence[int]], num_computed_tokens:
     tables = torch.full((len(block_tables), width), -1, dtype=torch.int32)  # -1: padding
     for s, table in enumerate(block_tables):
         tables[s, : len(table)] = torch.tensor(table, dtype=torch.int32)
-    counts = torch.tensor(num_scheduled_tokens)
     query_start_loc = F.pad(counts.cumsum(0), (1, 0))
     seq_index = torch.repeat_interleave(torch.arange(len(counts)), counts)
-    start = torch.tensor(num_computed_tokens) - query_start_loc[:-1]
+    start = computed - query_start_loc[:-1]
     positions = torch.arange(int(counts.sum())) + start[seq_index]
     blocks = tables[seq_index, positions // block_size].long()  # never a pad: checked above
     slots = blocks * block_size + positions % block_size
     logits = None if logits_at_every_token else query_start_loc[1:] - 1
     move = lambda t: None if t is None else t.to(device)
     return AttentionMetadata(move(positions), move(slots), move(tables), move(seq_lens),
-                             move(query_start_loc), move(logits))
+                             move(query_start_loc), block_size, move(logits))
 
 
 class RMSNorm(nn.Module):
@@ -291,6 +330,68 @@ def _check_inputs(config: ModelConfig, input_ids: torch.Tensor, metadata: Attent
         raise ValueError(f"kv_cache holds {kv_cache.num_kv_heads} KV heads of "
                          f"{kv_cache.head_dim}, the model {config.num_key_value_heads} "
                          f"of {config.head_dim}")
+    _check_metadata(metadata, input_ids.shape[0], kv_cache)  # shapes and counts first,
+    _check_metadata_places(metadata, input_ids.shape[0], kv_cache)  # then what they index
+
+
+def _check_metadata(metadata: AttentionMetadata, num_tokens: int, kv_cache: KVCache) -> None:
+    """Refuse metadata that is not one consistent step on this cache, naming the field."""
+    device, block_size = kv_cache.layers[0].device, kv_cache.block_size
+    for f in fields(metadata):
+        value = getattr(metadata, f.name)
+        if f.name == "block_size" or (f.name == "logits_indices" and value is None):
+            continue
+        if not isinstance(value, torch.Tensor) or value.is_floating_point() \
+                or value.is_complex() or value.dtype == torch.bool or value.device != device:
+            raise ValueError(f"metadata.{f.name} must be an integer tensor on {device}")
+    if metadata.block_size != block_size:
+        raise ValueError(f"metadata.block_size is {metadata.block_size}, "
+                         f"the kv_cache's block_size {block_size}")
+    seq_lens, starts = metadata.seq_lens.long(), metadata.query_start_loc.long()
+    tables, positions = metadata.block_tables.long(), metadata.positions.long()
+    num_seqs = seq_lens.shape[0]
+    if positions.shape != (num_tokens,) or metadata.slot_mapping.shape != (num_tokens,):
+        raise ValueError(f"metadata.positions and slot_mapping must be [T={num_tokens}]")
+    if seq_lens.dim() != 1 or starts.shape != (num_seqs + 1,) or tables.dim() != 2 \
+            or tables.shape[0] != num_seqs:
+        raise ValueError(f"metadata.query_start_loc must be [S+1] and block_tables [S, width] "
+                         f"for seq_lens of S={num_seqs} entries")
+    query_lens = starts.diff()
+    if int(starts[0]) != 0 or int(starts[-1]) != num_tokens or bool((query_lens < 0).any()):
+        raise ValueError(f"metadata.query_start_loc must rise from 0 to T={num_tokens}")
+    if bool((seq_lens < query_lens).any()):
+        raise ValueError("metadata.seq_lens must be at least each sequence's query tokens")
+
+
+def _check_metadata_places(metadata: AttentionMetadata, num_tokens: int, kv_cache: KVCache
+                           ) -> None:
+    """Refuse blocks outside the pool, and positions or slots the block tables contradict."""
+    block_size, device = kv_cache.block_size, kv_cache.layers[0].device
+    seq_lens, starts = metadata.seq_lens.long(), metadata.query_start_loc.long()
+    tables, positions = metadata.block_tables.long(), metadata.positions.long()
+    needed = -(-seq_lens // block_size)  # blocks each sequence's context reaches
+    if bool((needed > tables.shape[1]).any()):
+        raise ValueError("metadata.block_tables is narrower than seq_lens needs")
+    reached = torch.arange(tables.shape[1], device=device)[None, :] < needed[:, None]
+    if bool((reached & ((tables < 0) | (tables >= kv_cache.num_blocks))).any()):
+        raise ValueError(f"metadata.block_tables names a block outside the kv_cache's "
+                         f"{kv_cache.num_blocks} blocks")
+    query_lens = starts.diff()
+    seq = torch.repeat_interleave(torch.arange(len(seq_lens), device=device), query_lens,
+                                  output_size=num_tokens)  # each token's sequence
+    first = (seq_lens - query_lens)[seq]  # the kernels put a sequence's queries at its end
+    if not torch.equal(positions, first + torch.arange(num_tokens, device=device) - starts[seq]):
+        raise ValueError("metadata.positions must be the last positions of each sequence's "
+                         "context, as seq_lens and query_start_loc place them")
+    slots = tables[seq, positions // block_size] * block_size + positions % block_size
+    written = metadata.slot_mapping.long()
+    if bool(((written != slots) & (written != -1)).any()):
+        raise ValueError("metadata.slot_mapping must name the slot block_tables give each "
+                         "token's position (or -1)")
+    indices = metadata.logits_indices
+    if indices is not None and (indices.dim() != 1 or bool(((indices < 0)
+                                                            | (indices >= num_tokens)).any())):
+        raise ValueError(f"metadata.logits_indices must be [n] with values in [0, {num_tokens})")
 
 
 class Qwen2ForCausalLM(nn.Module):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import inspect
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -10,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import minipaged.model
-from minipaged.kv_cache import KVCache
+from minipaged.kernels import paged_attention
+from minipaged.kv_cache import KVCache, reference_paged_attention
 from minipaged.model import (
     AttentionMetadata,
     ModelConfig,
@@ -133,6 +135,40 @@ def test_config_refuses_what_it_cannot_run(change, field):
         ModelConfig.from_hf_config(QWEN_CONFIG | change)
 
 
+@pytest.mark.parametrize("change, field", [
+    ({"rope_theta": 0}, "rope_theta"),  # once swallowed by `or` and read as 10000.0
+    ({"rope_theta": 0, "rope_parameters": {"rope_theta": 5000.0}}, "rope_theta"),
+    ({"head_dim": 0}, "head_dim"),  # once swallowed by `or` and read as 64
+    ({"rms_norm_eps": 0}, "rms_norm_eps"),
+    ({"num_attention_heads": 0}, "num_attention_heads"),
+    ({"eos_token_id": []}, "eos_token_id"),  # once an IndexError
+    ({"eos_token_id": -1}, "eos_token_id"),
+])
+def test_config_refuses_present_zeros_and_empty_lists(change, field):
+    with pytest.raises(ValueError, match=field):
+        ModelConfig.from_hf_config(QWEN_CONFIG | change)
+
+
+@pytest.mark.parametrize("field", ["vocab_size", "hidden_size", "intermediate_size",
+                                   "num_hidden_layers", "num_attention_heads",
+                                   "max_position_embeddings"])
+def test_config_names_a_missing_required_field(field):
+    """A missing field is a ValueError naming it, not a KeyError."""
+    hf = dict(QWEN_CONFIG)
+    del hf[field]
+    with pytest.raises(ValueError, match=field):
+        ModelConfig.from_hf_config(hf)
+
+
+def test_config_reads_nulls_as_absent():
+    """transformers writes head_dim and rope_theta as null when unset: the defaults apply."""
+    hf = QWEN_CONFIG | {"head_dim": None, "rope_theta": None,
+                        "rope_parameters": {"rope_theta": 5000.0, "rope_type": "default"}}
+    config = ModelConfig.from_hf_config(hf)
+    assert config.head_dim == 64 and config.rope_theta == 5000.0
+    assert ModelConfig.from_hf_config(QWEN_CONFIG | {"rope_theta": None}).rope_theta == 10_000.0
+
+
 def test_small_keeps_the_real_head_geometry():
     config = ModelConfig.small()
     assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (14, 2, 64)
@@ -170,10 +206,53 @@ def test_prepare_metadata_pads_block_tables():
     ([[1]], [4], [1], "block_tables"),
     ([[1], [2]], [0], [1, 1], "num_computed_tokens"),
     ([[1]], [0], [0], "num_scheduled_tokens"),
+    ([[3, 9]], [-2], [3], "num_computed_tokens"),  # once positions [-2, -1, 0], slots wrapped
+    ([[3, 9]], [1.0], [3], "num_computed_tokens"),  # once torch's NotImplementedError
+    ([[3, 9]], [0], [2.0], "num_scheduled_tokens"),
+    ([[3, 9]], [True], [1], "num_computed_tokens"),
+    ([[-1, 9]], [0], [3], "block_tables"),
 ])
 def test_prepare_metadata_refuses_bad_input(tables, computed, scheduled, field):
     with pytest.raises(ValueError, match=field):
         prepare_metadata(tables, computed, scheduled, block_size=4)
+
+
+def test_prepare_metadata_refuses_a_bad_block_size():
+    with pytest.raises(ValueError, match="block_size"):
+        prepare_metadata([[1]], [0], [1], block_size=0)
+    with pytest.raises(ValueError, match="block_size"):
+        prepare_metadata([[1]], [0], [1], block_size=4.0)
+
+
+def test_prepare_metadata_records_its_block_size():
+    assert prepare_metadata([[1, 0]], [0], [5], block_size=4).block_size == 4
+    assert prepare_metadata([[1]], [0], [5], block_size=8).block_size == 8
+
+
+def test_padding_is_never_read_by_the_triton_kernels():
+    """A pad entry naming a block full of NaN changes nothing: no pad is ever loaded."""
+    torch.manual_seed(0)
+    cache = torch.randn(4, 2, BLOCK_SIZE, 128)
+    cache[3] = float("nan")  # block 3 is nobody's: only a pad read would reach it
+    tables = [[2], [0, 1]]
+    for computed, scheduled in (([1, 6], [1, 1]), ([0, 0], [2, 7])):  # decode, then extend
+        metadata = prepare_metadata(tables, computed, scheduled, BLOCK_SIZE)
+        query = torch.randn(metadata.num_tokens, 14, 64)
+        padded_with_nan = metadata.block_tables.masked_fill(metadata.block_tables < 0, 3)
+        outputs = [paged_attention(query, cache, t, metadata.seq_lens, metadata.query_start_loc,
+                                   backend="triton")
+                   for t in (metadata.block_tables, padded_with_nan)]
+        assert outputs[0].isfinite().all()
+        torch.testing.assert_close(outputs[0], outputs[1], atol=0, rtol=0)
+
+
+def test_the_torch_reference_fails_loudly_on_a_pad():
+    """The -1 pad is a block no pool holds: the reference refuses a read that reaches one."""
+    cache = torch.randn(4, 2, BLOCK_SIZE, 128)
+    tables = torch.tensor([[2, -1]], dtype=torch.int32)
+    with pytest.raises(ValueError, match="outside the pool"):
+        reference_paged_attention(torch.randn(1, 14, 64), cache, tables, torch.tensor([6]),
+                                  torch.tensor([0, 1]))
 
 
 # --- the forward pass against transformers ---------------------------------------------------
@@ -258,6 +337,28 @@ def test_greedy_continuations_vary_and_match_generate(model, peer, config):
                                min_new_tokens=20, do_sample=False, pad_token_id=0)
         assert ours == theirs[0, len(prompt):].tolist()
         assert len(set(ours)) > 3  # the initialisation scale keeps greedy output from one token
+
+
+def test_at_the_usual_scale_greedy_decoding_repeats_one_token():
+    """The chapter's claim: at 0.02 the model falls into a fixed point, at 0.1 it does not.
+
+    A decoder that ignores its cache varies even at 0.02, so the fixed point is not the
+    model ignoring its context; what is wrong with 0.02 is only that a constant continuation
+    agrees trivially."""
+    small = ModelConfig.small()
+    prompt = torch.randint(0, small.vocab_size, (7,),
+                           generator=torch.Generator().manual_seed(1)).tolist()
+    at_002 = random_model(small, seed=0, initializer_range=0.02, attention_backend="torch")
+    at_01 = random_model(small, seed=0, initializer_range=0.1, attention_backend="torch")
+    assert len(set(greedy(at_002, prompt, 24))) == 1
+    assert len(set(greedy(at_01, prompt, 24))) > 3
+    without_cache, tokens = [], list(prompt)
+    for _ in range(24):  # each step sees only the last token, as if the cache were empty
+        metadata = prepare_metadata([[0]], [0], [1], BLOCK_SIZE)
+        logits = at_002(torch.tensor(tokens[-1:]), metadata, new_cache(small, 1))
+        tokens.append(int(logits[-1].argmax()))
+        without_cache.append(tokens[-1])
+    assert len(set(without_cache)) > 3
 
 
 # --- weights ------------------------------------------------------------------------------
@@ -364,6 +465,69 @@ def test_forward_refuses_mismatched_inputs(model, config):
         model(torch.tensor([1, 2]), metadata, KVCache(1, 1, BLOCK_SIZE, 2, 64))
     with pytest.raises(ValueError, match="KV heads"):
         model(torch.tensor([1, 2]), metadata, KVCache(2, 1, BLOCK_SIZE, 1, 64))
+
+
+def filled_cache(config, num_blocks, block_size=BLOCK_SIZE):
+    cache = KVCache(config.num_hidden_layers, num_blocks, block_size,
+                    config.num_key_value_heads, config.head_dim)
+    generator = torch.Generator().manual_seed(0)
+    for layer in cache.layers:
+        layer.copy_(torch.randn(layer.shape, generator=generator))
+    return cache
+
+
+def faulty_steps():
+    """(what is wrong, the field the error names, metadata) for five prompt tokens in [1, 0]."""
+    good = prepare_metadata([[1, 0]], [0], [5], BLOCK_SIZE)
+    tables = good.block_tables
+    return [
+        ("context shorter than the query", "seq_lens", replace(good, seq_lens=torch.tensor([3]))),
+        ("table too narrow", "block_tables", replace(good, block_tables=tables[:, :1])),
+        ("block outside the pool", "block_tables",
+         replace(good, block_tables=torch.tensor([[1, 2]], dtype=torch.int32))),
+        ("table rows for two sequences", "block_tables",
+         replace(good, block_tables=tables.repeat(2, 1))),
+        ("offsets that do not end at T", "query_start_loc",
+         replace(good, query_start_loc=torch.tensor([0, 4]))),
+        ("positions shifted", "positions", replace(good, positions=good.positions + 1)),
+        ("a slot the table does not give", "slot_mapping",
+         replace(good, slot_mapping=good.slot_mapping.flip(0))),
+        ("float seq_lens", "seq_lens", replace(good, seq_lens=good.seq_lens.float())),
+        ("logits index past the batch", "logits_indices",
+         replace(good, logits_indices=torch.tensor([5]))),
+        ("another block size", "block_size", replace(good, block_size=8)),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(faulty_steps())))
+def test_a_refused_forward_leaves_the_cache_unchanged(model, config, case):
+    """Every check runs before layer 0 writes: a refused step writes nothing."""
+    what, field, metadata = faulty_steps()[case]
+    cache = filled_cache(config, 2)
+    before = [layer.clone() for layer in cache.layers]
+    with pytest.raises(ValueError, match=field):
+        model(torch.arange(5), metadata, cache)
+    for layer, saved in zip(cache.layers, before):
+        assert torch.equal(layer, saved), what
+
+
+def test_forward_refuses_a_cache_of_another_block_size(model, config):
+    """Metadata built for blocks of 4 on a cache of blocks of 8 once ran with wrong logits."""
+    metadata = prepare_metadata([[1, 0]], [0], [5], BLOCK_SIZE)
+    cache = filled_cache(config, 2, block_size=8)
+    before = [layer.clone() for layer in cache.layers]
+    with pytest.raises(ValueError, match="block_size"):
+        model(torch.arange(5), metadata, cache)
+    assert all(torch.equal(a, b) for a, b in zip(cache.layers, before))
+
+
+def test_slot_minus_one_is_still_accepted(model, config):
+    """-1 in slot_mapping skips a token's write, as chapter 5's kernels allow."""
+    metadata = prepare_metadata([[1, 0]], [0], [5], BLOCK_SIZE)
+    skipped = replace(metadata, slot_mapping=torch.tensor([4, 5, 6, 7, -1]))
+    cache = new_cache(config, 2)
+    model(torch.arange(5), skipped, cache)
+    assert not cache.layers[0][0].any() and cache.layers[0][1].any()
 
 
 def test_refuses_unknown_backend_and_scale(config):
