@@ -4,9 +4,10 @@
 """The block pool and the per-sequence block table: who holds which block of the KV cache."""
 from __future__ import annotations
 
-import operator
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+
+from minipaged.memory import check_integer
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -74,17 +75,6 @@ class FreeKVCacheBlockQueue:
             block = block.next_free_block
 
 
-def _check_count(name: str, value: int, minimum: int = 0) -> int:
-    """Return value as an int when it is an integer at least minimum, else raise ValueError."""
-    try:
-        number = operator.index(value)  # ints, numpy and 0-d torch integers; not floats
-    except TypeError:
-        number = None
-    if isinstance(value, bool) or number is None or number < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return number
-
-
 class BlockPool:
     """A fixed number of blocks of block_size tokens, a free queue, and reference counts.
 
@@ -93,10 +83,10 @@ class BlockPool:
     """
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
-        block_size = _check_count("block_size", block_size, 1)
+        block_size = check_integer("block_size", block_size, 1)
         if block_size & (block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 1, got {block_size}")
-        self.num_blocks = _check_count("num_blocks", num_blocks, 1)
+        self.num_blocks = check_integer("num_blocks", num_blocks, 1)
         self.block_size = block_size
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
@@ -108,7 +98,7 @@ class BlockPool:
 
     def allocate(self, n: int) -> list[KVCacheBlock]:
         """Hand out n free blocks, each with count 1; all or nothing."""
-        n = _check_count("n", n)
+        n = check_integer("n", n)
         if n > self.get_num_free_blocks():
             raise NoFreeBlocksError(f"asked for {n} blocks but only {self.get_num_free_blocks()}"
                                     f" of {self.num_blocks} are free; nothing was allocated")
@@ -175,7 +165,7 @@ class BlockTable:
 
     def blocks_needed(self, num_tokens: int) -> int:
         """How many more blocks num_tokens tokens need beyond those held."""
-        blocks = -(-_check_count("num_tokens", num_tokens) // self.pool.block_size)
+        blocks = -(-check_integer("num_tokens", num_tokens) // self.pool.block_size)
         return max(0, blocks - len(self.blocks))
 
     def ensure_capacity(self, num_tokens: int) -> int:
@@ -190,7 +180,7 @@ class BlockTable:
 
     def slot(self, position: int) -> int:
         """The pool slot holding position: table[position // B] * B + position % B."""
-        position = _check_count("position", position)  # a plain int, or ValueError
+        position = check_integer("position", position)  # a plain int, or ValueError
         if position >= self.capacity:
             raise ValueError(f"position {position} is outside the table's {self.capacity} slots")
         block_id = self.blocks[position >> self._shift].block_id
@@ -198,7 +188,7 @@ class BlockTable:
 
     def slot_mapping(self, start: int, end: int) -> list[int]:
         """The slots of positions start, ..., end - 1, as plain ints."""
-        start, end = _check_count("start", start), _check_count("end", end)
+        start, end = check_integer("start", start), check_integer("end", end)
         if not start <= end <= self.capacity:
             raise ValueError(f"positions start={start}, end={end} do not fit the table's "
                              f"{self.capacity} slots")

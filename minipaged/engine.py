@@ -15,7 +15,7 @@ import torch
 from minipaged.blocks import BlockPool
 from minipaged.kernels import check_block_size
 from minipaged.kv_cache import KVCache
-from minipaged.memory import cache_budget, peak_forward_bytes
+from minipaged.memory import cache_budget, check_integer, peak_forward_bytes
 from minipaged.model import (
     ModelConfig,
     Qwen2ForCausalLM,
@@ -32,13 +32,6 @@ from minipaged.scheduler import KVCacheManager, Request, Scheduler, needs_sample
 KV_CACHE_MANAGERS: dict[bool, type[KVCacheManager]] = {False: KVCacheManager}
 
 
-def _check_int(name: str, value, minimum: int = 1) -> int:
-    """Return value when it is an integer >= minimum, else raise ValueError naming it."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return value
-
-
 class LLMEngine:
     """Scheduler, paged cache and model in one loop; step() runs one batch."""
 
@@ -48,13 +41,13 @@ class LLMEngine:
                  kv_cache_manager_class: type[KVCacheManager] = KVCacheManager) -> None:
         config, param = model.config, next(model.parameters())
         check_block_size(block_size)
-        self.max_model_len = _check_int("max_model_len",
-                                        max_model_len or config.max_position_embeddings)
+        self.max_model_len = check_integer("max_model_len",
+                                           max_model_len or config.max_position_embeddings, 1)
         if self.max_model_len > config.max_position_embeddings:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's "
                              f"max_position_embeddings={config.max_position_embeddings}")
         needed = math.ceil(self.max_model_len / block_size)
-        if _check_int("num_gpu_blocks", num_gpu_blocks) < needed:
+        if check_integer("num_gpu_blocks", num_gpu_blocks, 1) < needed:
             raise ValueError(f"num_gpu_blocks={num_gpu_blocks} blocks of {block_size} tokens "
                              f"cannot hold one sequence of max_model_len={self.max_model_len} "
                              f"({needed} blocks): give the cache more memory or lower "
@@ -64,9 +57,10 @@ class LLMEngine:
         self.kv_cache = KVCache(config.num_hidden_layers, num_gpu_blocks, block_size,
                                 config.num_key_value_heads, config.head_dim, param.dtype,
                                 param.device)
-        self.scheduler = Scheduler(kv_cache_manager_class(self.pool),
-                                   _check_int("max_num_batched_tokens", max_num_batched_tokens),
-                                   _check_int("max_num_seqs", max_num_seqs), self.max_model_len)
+        token_budget = check_integer("max_num_batched_tokens", max_num_batched_tokens, 1)
+        max_num_seqs = check_integer("max_num_seqs", max_num_seqs, 1)
+        self.scheduler = Scheduler(kv_cache_manager_class(self.pool), token_budget, max_num_seqs,
+                                   self.max_model_len)
         self.requests: dict[str, Request] = {}
         self.num_steps = self.num_computed_tokens = self.peak_num_used_blocks = 0
 
@@ -176,7 +170,7 @@ def determine_num_gpu_blocks(model: Qwen2ForCausalLM, block_size: int,
     if kv_cache_memory_bytes is None and param.device.type != "cuda":
         kv_cache_memory_bytes = CPU_KV_CACHE_BYTES
     if kv_cache_memory_bytes is not None:
-        return _check_int("kv_cache_memory_bytes", kv_cache_memory_bytes) // (
+        return check_integer("kv_cache_memory_bytes", kv_cache_memory_bytes, 1) // (
             per_token * block_size)
     free, total = torch.cuda.mem_get_info(param.device)
     scratch_blocks = math.ceil(max_num_batched_tokens / block_size)  # a cache just big enough

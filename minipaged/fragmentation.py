@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import heapq
 import math
-import operator
 from bisect import bisect_left, insort
 from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
+
+from minipaged.memory import check_integer, check_number
 
 SEED_NUM_BLOCKS = 58_064  # blocks of 16 tokens the seed's engine allotted itself at 85%
 SEED_BLOCK_SIZE = 16
@@ -19,33 +20,11 @@ SEED_POOL_TOKENS = SEED_NUM_BLOCKS * SEED_BLOCK_SIZE
 MAX_MODEL_LEN = 2_048  # the longest sequence (prompt plus answer) the server accepts
 
 
-def _whole(name: str, value, minimum: int) -> int:
-    """value as an int when it is an integer (numpy's too) of at least minimum, else ValueError."""
-    try:
-        number = operator.index(value)  # refuses floats, so 2.5 and NaN never get this far
-    except TypeError:
-        number = None
-    if isinstance(value, (bool, np.bool_)) or number is None or number < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return number
-
-
-def _finite(name: str, value, allow_zero: bool = False) -> float:
-    """value as a float when it is finite and positive (or zero, if allowed), else ValueError."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.number)):
-        raise ValueError(f"{name} must be a number, got {value!r}")
-    number = float(value)
-    if not math.isfinite(number) or number < 0 or (number == 0 and not allow_zero):
-        bound = "non-negative" if allow_zero else "positive"
-        raise ValueError(f"{name} must be finite and {bound}, got {value!r}")
-    return number
-
-
 def sample_total_lengths(num: int, seed: int = 0, median: float = 180.0, mean: float = 260.0,
                          cap: int = 2048) -> np.ndarray:
     """Total lengths (prompt plus answer) drawn from a lognormal, rounded, clipped to [1, cap]."""
-    num, cap = _whole("num", num, 0), _whole("cap", cap, 1)
-    median, mean = _finite("median", median), _finite("mean", mean)
+    num, cap = check_integer("num", num, 0), check_integer("cap", cap, 1)
+    median, mean = check_number("median", median), check_number("mean", mean)
     if median > mean:
         raise ValueError(f"median ({median}) must not exceed mean ({mean}) for a lognormal")
     sigma = math.sqrt(2.0 * math.log(mean / median))
@@ -77,7 +56,7 @@ class Workload:
             if np.any(lens < least):
                 raise ValueError(f"{name} must all be at least {least}")
             fields[name] = lens.astype(np.int64, copy=False)
-        fields["decode_rate"] = _finite("decode_rate", self.decode_rate)
+        fields["decode_rate"] = check_number("decode_rate", self.decode_rate)
         for name, value in fields.items():
             object.__setattr__(self, name, value)  # the dataclass is frozen
 
@@ -102,9 +81,9 @@ class Workload:
 def make_workload(num_requests: int, arrival_rate: float, seed: int = 0, decode_rate: float = 30.0,
                   prompt_share: tuple[float, float] = (0.2, 0.8), **length_kwargs) -> Workload:
     """A seeded trace: lognormal lengths, a uniform prompt share, Poisson arrivals."""
-    num_requests = _whole("num_requests", num_requests, 1)
-    arrival_rate = _finite("arrival_rate", arrival_rate)
-    decode_rate = _finite("decode_rate", decode_rate)
+    num_requests = check_integer("num_requests", num_requests, 1)
+    arrival_rate = check_number("arrival_rate", arrival_rate)
+    decode_rate = check_number("decode_rate", decode_rate)
     low, high = prompt_share
     if not 0 <= low <= high < 1:
         raise ValueError(f"prompt_share must satisfy 0 <= low <= high < 1, got {prompt_share}")
@@ -128,7 +107,7 @@ def workload_moments(decode_rate: float = 30.0, prompt_share: tuple[float, float
 def arrival_rate_for_load(load: float, pool_tokens: int, decode_rate: float = 30.0,
                           prompt_share: tuple[float, float] = (0.2, 0.8)) -> float:
     """Requests per second that offer this load (exact-fit token-seconds over the pool)."""
-    load, pool_tokens = _finite("load", load), _whole("pool_tokens", pool_tokens, 1)
+    load, pool_tokens = check_number("load", load), check_integer("pool_tokens", pool_tokens, 1)
     _, token_seconds = workload_moments(decode_rate, tuple(prompt_share))
     return load * pool_tokens / token_seconds
 
@@ -139,7 +118,7 @@ class Allocator:
     name = "allocator"
 
     def __init__(self, pool_tokens: int):
-        self.pool_tokens = _whole("pool_tokens", pool_tokens, 1)
+        self.pool_tokens = check_integer("pool_tokens", pool_tokens, 1)
         self.held_tokens = 0  # set aside for live requests
         self.requested_tokens = 0  # final lengths of live requests
         self.live: dict[int, tuple] = {}  # request id -> where it sits
@@ -162,7 +141,7 @@ class Allocator:
 
     def _check_new(self, request_id: int, num_tokens: int) -> int:
         """Validate a new request before any state changes; return its length as an int."""
-        num_tokens = _whole("num_tokens", num_tokens, 1)
+        num_tokens = check_integer("num_tokens", num_tokens, 1)
         if request_id in self.live:
             raise ValueError(f"request_id {request_id} is already admitted")
         return num_tokens
@@ -303,7 +282,7 @@ class MaxLengthReservation(ExactFit):
     name = "reservation"
 
     def __init__(self, pool_tokens: int, max_model_len: int = MAX_MODEL_LEN):
-        self.max_model_len = _whole("max_model_len", max_model_len, 1)
+        self.max_model_len = check_integer("max_model_len", max_model_len, 1)
         super().__init__(pool_tokens)
         if self.pool_tokens < self.max_model_len:
             raise ValueError(f"pool_tokens ({pool_tokens}) must hold at least one reservation of "
@@ -326,7 +305,7 @@ class BlockAllocator(Allocator):
 
     def __init__(self, pool_tokens: int, block_size: int = SEED_BLOCK_SIZE):
         super().__init__(pool_tokens)
-        self.block_size = _whole("block_size", block_size, 1)
+        self.block_size = check_integer("block_size", block_size, 1)
         if self.pool_tokens < self.block_size:
             raise ValueError(f"pool_tokens ({pool_tokens}) must hold at least one block of "
                              f"block_size {block_size}")
@@ -486,7 +465,8 @@ def three_allocators(pool_tokens: int, block_size: int = SEED_BLOCK_SIZE,
 
 def erlang_b(servers: int, offered: float) -> float:
     """Chance that an arrival finds every server busy, for a loss system (Erlang's B formula)."""
-    servers, offered = _whole("servers", servers, 0), _finite("offered", offered, allow_zero=True)
+    servers = check_integer("servers", servers, 0)
+    offered = check_number("offered", offered, allow_zero=True)
     blocking = 1.0
     for k in range(1, servers + 1):
         blocking = offered * blocking / (k + offered * blocking)

@@ -6,12 +6,7 @@ from __future__ import annotations
 
 import torch
 
-
-def _positive(name: str, value: int) -> int:
-    """Return value when it is a positive integer, else raise ValueError naming it."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return value
+from minipaged.memory import check_integer
 
 
 class KVCache:
@@ -19,13 +14,13 @@ class KVCache:
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype = torch.float32, device="cpu") -> None:
-        if _positive("block_size", block_size) & (block_size - 1):
+        if check_integer("block_size", block_size, 1) & (block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 1, got {block_size}")
-        self.num_layers = _positive("num_layers", num_layers)
-        self.num_blocks = _positive("num_blocks", num_blocks)
+        self.num_layers = check_integer("num_layers", num_layers, 1)
+        self.num_blocks = check_integer("num_blocks", num_blocks, 1)
         self.block_size = block_size
-        self.num_kv_heads = _positive("num_kv_heads", num_kv_heads)
-        self.head_dim = _positive("head_dim", head_dim)
+        self.num_kv_heads = check_integer("num_kv_heads", num_kv_heads, 1)
+        self.head_dim = check_integer("head_dim", head_dim, 1)
         shape = (num_blocks, 2, block_size, num_kv_heads * head_dim)  # index 0 keys, 1 values
         self.layers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 

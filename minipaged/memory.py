@@ -5,23 +5,41 @@
 from __future__ import annotations
 
 import contextlib
+import math
+import operator
 import os
 import sys
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 GiB = 2**30
 MiB = 2**20
 
 
-def _require_positive(name: str, value, allow_zero: bool = False) -> None:
-    """Raise a ValueError naming the field unless value is a positive number."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+def check_integer(name: str, value, minimum: int = 0) -> int:
+    """Return value as an int if it is an integer (numpy's too) of at least minimum, else raise
+    a ValueError naming the field. Every chapter's input checks go through this and the next."""
+    try:
+        number = operator.index(value)  # refuses floats, so 2.5 and NaN never get this far
+    except TypeError:
+        number = None
+    if isinstance(value, (bool, np.bool_)) or number is None or number < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return number
+
+
+def check_number(name: str, value, allow_zero: bool = False) -> float:
+    """Return value as a float if it is finite and positive (or zero, if allowed), else raise
+    a ValueError naming the field."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.number)):
         raise ValueError(f"{name} must be a number, got {value!r}")
-    if value < 0 or (value == 0 and not allow_zero):
+    number = float(value)
+    if not math.isfinite(number) or number < 0 or (number == 0 and not allow_zero):
         bound = "non-negative" if allow_zero else "positive"
-        raise ValueError(f"{name} must be {bound}, got {value!r}")
+        raise ValueError(f"{name} must be finite and {bound}, got {value!r}")
+    return number
 
 
 @dataclass(frozen=True)
@@ -62,7 +80,7 @@ class ModelShape:
 
     def reservation_bytes(self, max_len: int) -> int:
         """Bytes of one contiguous reservation able to hold max_len tokens."""
-        _require_positive("max_len", max_len)
+        check_number("max_len", max_len)
         return max_len * self.kv_bytes_per_token
 
 
@@ -80,7 +98,7 @@ class DeviceOutOfMemory(MemoryError):
 
 def allocate_until_refused(allocate, release, nbytes: int, limit: int = 1_000_000) -> int:
     """Allocate nbytes at a time until refused (or until limit), free it all, return the count."""
-    _require_positive("nbytes", nbytes)
+    check_number("nbytes", nbytes)
     held = []
     try:
         while len(held) < limit:
@@ -98,8 +116,8 @@ class SimulatedDevice:
     """A byte counter standing in for a GPU: allocations succeed until capacity runs out."""
 
     def __init__(self, total_bytes: int, preallocated_bytes: int = 0):
-        _require_positive("total_bytes", total_bytes)
-        _require_positive("preallocated_bytes", preallocated_bytes, allow_zero=True)
+        check_number("total_bytes", total_bytes)
+        check_number("preallocated_bytes", preallocated_bytes, allow_zero=True)
         if preallocated_bytes > total_bytes:
             raise ValueError("preallocated_bytes exceeds total_bytes")
         self.total_bytes = total_bytes
@@ -147,10 +165,10 @@ class CacheBudget:
 def cache_budget(total_bytes: int, non_cache_bytes: int, kv_bytes_per_token: int,
                  utilization: float, block_size: int = 16) -> CacheBudget:
     """The KV cache an engine can afford at this utilisation, in whole blocks."""
-    _require_positive("total_bytes", total_bytes)
-    _require_positive("non_cache_bytes", non_cache_bytes, allow_zero=True)
-    _require_positive("kv_bytes_per_token", kv_bytes_per_token)
-    _require_positive("block_size", block_size)
+    check_number("total_bytes", total_bytes)
+    check_number("non_cache_bytes", non_cache_bytes, allow_zero=True)
+    check_number("kv_bytes_per_token", kv_bytes_per_token)
+    check_number("block_size", block_size)
     if not (isinstance(utilization, (int, float)) and 0 < utilization <= 1):
         raise ValueError(f"utilization must be in (0, 1], got {utilization!r}")
     return CacheBudget(total_bytes, utilization, non_cache_bytes, kv_bytes_per_token, block_size)
