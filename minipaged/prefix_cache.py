@@ -228,7 +228,11 @@ PrefixCachingKVCacheManager.cache_blocks = _cache_blocks
 
 
 def _free_request(self: PrefixCachingKVCacheManager, request: Request) -> None:
-    """Return the request's blocks, tail first; the full ones stay findable by hash."""
+    """Return the request's blocks, tail first; those it computed stay findable by hash."""
+    table = self.block_tables.get(request.request_id)
+    if table is not None:  # cached when handed out, for a step whose model run never finished
+        for block in table.blocks[request.num_computed_tokens // self.block_size:]:
+            self.pool._evict(block)
     KVCacheManager.free(self, request)
     self.num_cached_block.pop(request.request_id, None)
 
