@@ -17,7 +17,6 @@ from gpu_check import chapters, common, cuda_tests, stages  # noqa: E402
 
 from minipaged.runtime import gpu_results  # noqa: E402
 
-
 # ---- results records ----
 
 def test_slug_names_a_folder_after_the_gpu():
@@ -154,12 +153,17 @@ def test_sync_counter_counts_host_reads_by_site_and_restores_tensor_methods():
         assert counter.take() == (3, 0)
         tensor.tolist()
         assert counter.take() == (1, 0)
-        on_meta = torch.empty(2, device="meta")
-        on_meta.shape  # no read of a value
         assert counter.take() == (0, 0)
     assert {name: getattr(torch.Tensor, name) for name in stages.HOST_READS} == originals
     sites = {site for kind, site in counter.sites}
     assert any(site.startswith("item at test_gpu_check.py") for site in sites), sites
+    counter = stages.SyncCounter("meta")  # reads of tensors elsewhere are not this device's
+    counter.__enter__()
+    try:
+        tensor.sum().item()
+        assert counter.take() == (0, 0)
+    finally:
+        counter.__exit__(None, None, None)
 
 
 # ---- workloads ----
@@ -321,3 +325,28 @@ def test_orchestrator_records_each_stage_and_packs_the_results(tmp_path):
         names = set(archive.getnames())
     assert {"results/env.json", "results/stages.csv", "results/logs/env.log"} <= names
     assert "gpu_check done" in (out / "gpu_check.log").read_text()
+
+
+def test_cap_memory_makes_a_big_card_report_and_enforce_a_t4s_memory():
+    from types import SimpleNamespace
+
+    gib = 2**30
+    state = {"fraction": None, "reserved": 3 * gib}
+    fake = SimpleNamespace(
+        is_available=lambda: True,
+        get_device_properties=lambda device=None: SimpleNamespace(total_memory=140 * gib,
+                                                                  name="Big", major=9),
+        mem_get_info=lambda device=None: (130 * gib, 140 * gib),
+        memory_reserved=lambda device=None: state["reserved"],
+        set_per_process_memory_fraction=lambda f, device=None: state.update(fraction=f))
+    note = chapters.cap_memory(common.T4_USABLE_BYTES, cuda=fake)
+    assert state["fraction"] == pytest.approx(14.6 / 140)
+    assert "bytes" in note["memory_cap"]
+    free, total = fake.mem_get_info()
+    assert total == common.T4_USABLE_BYTES and free == common.T4_USABLE_BYTES - 3 * gib
+    state["reserved"] = 20 * gib  # more than the cap: nothing free, never negative
+    assert fake.mem_get_info() == (0, common.T4_USABLE_BYTES)
+    properties = fake.get_device_properties(0)
+    assert properties.total_memory == common.T4_USABLE_BYTES and properties.major == 9
+    assert chapters.cap_memory(1, cuda=SimpleNamespace(is_available=lambda: False)) == {
+        "memory_cap": "none (no CUDA device)"}

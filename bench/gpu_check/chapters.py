@@ -85,20 +85,25 @@ def ipython_stand_in() -> bool:
 
 # ---- memory: an H200 standing in for a T4 ----
 
-def cap_memory(cap_bytes: int) -> dict:
-    """Cap CUDA memory at cap_bytes and make the device report cap_bytes as its size."""
-    import torch
+def cap_memory(cap_bytes: int, cuda=None) -> dict:
+    """Cap CUDA memory at cap_bytes and make the device report cap_bytes as its size.
 
-    if not torch.cuda.is_available():
+    ``cuda`` is ``torch.cuda`` (a test passes a stand-in with the same five functions).
+    """
+    if cuda is None:
+        import torch
+
+        cuda = torch.cuda
+    if not cuda.is_available():
         return {"memory_cap": "none (no CUDA device)"}
-    total = torch.cuda.get_device_properties(0).total_memory
+    real_mem_get_info, real_properties = cuda.mem_get_info, cuda.get_device_properties
+    total = real_properties(0).total_memory
     fraction = min(1.0, cap_bytes / total)
-    torch.cuda.set_per_process_memory_fraction(fraction, 0)
-    real_mem_get_info, real_properties = torch.cuda.mem_get_info, torch.cuda.get_device_properties
+    cuda.set_per_process_memory_fraction(fraction, 0)
 
     def mem_get_info(device=None):
         free, _ = real_mem_get_info(device)
-        return min(free, max(0, cap_bytes - torch.cuda.memory_reserved(device))), cap_bytes
+        return min(free, max(0, cap_bytes - cuda.memory_reserved(device))), cap_bytes
 
     class CappedProperties:
         def __init__(self, properties):
@@ -107,9 +112,8 @@ def cap_memory(cap_bytes: int) -> dict:
         def __getattr__(self, name):
             return cap_bytes if name == "total_memory" else getattr(self._properties, name)
 
-    torch.cuda.mem_get_info = mem_get_info
-    torch.cuda.get_device_properties = lambda device=None: CappedProperties(
-        real_properties(device))
+    cuda.mem_get_info = mem_get_info
+    cuda.get_device_properties = lambda device=None: CappedProperties(real_properties(device))
     return {"memory_cap": f"{cap_bytes} bytes = {fraction:.4f} of {total}"}
 
 
