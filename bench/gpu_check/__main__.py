@@ -260,7 +260,8 @@ def default_results(dry_run: bool) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python3 bench/gpu_check", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dry-run", action="store_true",
                         help="tiny sizes on the CPU, Triton's interpreter (what CI runs)")
     parser.add_argument("--out", type=Path, help="also pack the results and the log here")

@@ -17,6 +17,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results"
 T4_USABLE_BYTES = int(14.6 * 2**30)  # what a Colab T4 leaves a process (issue 13)
+# What some stage imports besides torch, triton and numpy; the env stage reports each one.
+OPTIONAL = ("pytest", "matplotlib", "transformers", "safetensors", "huggingface_hub",
+            "tokenizers", "tqdm", "hypothesis", "pynvml")
 
 
 def slug(gpu_name: str) -> str:
@@ -103,6 +106,13 @@ def environment(dry_run: bool) -> dict:
             info[name] = __import__(name).__version__
         except Exception as error:  # recorded, never fatal: the stages say what they lack
             info[name] = f"missing ({type(error).__name__}: {error})"
+    info["packages"] = {}
+    for name in OPTIONAL:
+        try:
+            module = __import__(name)
+            info["packages"][name] = getattr(module, "__version__", "present")
+        except Exception:
+            info["packages"][name] = None  # the stages that need it fail alone, saying so
     try:
         import torch
 

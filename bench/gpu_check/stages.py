@@ -61,6 +61,8 @@ def env(ctx: Context) -> None:
     write_json(ctx.results / "env.json", info)
     for key in ("gpu", "driver", "cuda", "torch", "triton", "numpy", "python"):
         ctx.log(f"{key:>8}: {info.get(key)}")
+    missing = [name for name, version in info["packages"].items() if version is None]
+    ctx.log(f"packages: {info['packages']}" + (f"; missing: {missing}" if missing else ""))
     if not ctx.dry_run and info["device"] != "cuda":
         raise RuntimeError("no CUDA device: the GPU stages will fail; run with --dry-run on a CPU")
 
