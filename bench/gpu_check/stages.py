@@ -222,7 +222,7 @@ def engine(ctx: Context) -> None:
     generator = torch.Generator().manual_seed(0)
     ample_tokens, prompt_sets = None, {}
     with RowWriter(ctx.results / "engine.csv", ENGINE_FIELDS) as writer:
-        for index, work in enumerate(engine_workloads(ctx.dry_run, max_len)):
+        for work in engine_workloads(ctx.dry_run, max_len):
             if ctx.time_left() < 15:
                 ctx.log(f"engine: no time left for {work.name!r}")
                 break
@@ -234,8 +234,8 @@ def engine(ctx: Context) -> None:
             llm = LLM(model=model, kv_cache_memory_bytes=work.pool_tokens * per_token,
                       max_model_len=max(work.prompt_lens) + work.new_tokens,
                       max_num_batched_tokens=2048)
-            if index == 0:  # compile the kernels before anything is timed
-                _generate(llm, prompts[:2], 4)
+            # Compile (or specialise) the kernels for this engine's cache before timing it.
+            _generate(llm, prompts[:2], 2)
             engine_state = llm.llm_engine
             before = engine_state.stats()
             _synchronize(device)
@@ -350,6 +350,7 @@ def syncs(ctx: Context) -> None:
               * config.kv_bytes_per_token(next(model.parameters()).element_size()),
               max_model_len=256 if ctx.dry_run else 4096, max_num_batched_tokens=2048)
     params = SamplingParams(temperature=0, max_tokens=6 if ctx.dry_run else 24, ignore_eos=True)
+    _generate(llm, [[1] * 40, [2] * 3], 2)  # kernels compiled before anything is counted
     engine_state = llm.llm_engine
     for n in lengths:
         prompt = torch.randint(1, config.vocab_size, (n,), generator=generator).tolist()
