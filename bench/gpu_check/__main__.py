@@ -18,8 +18,9 @@ kernels         75  bench/kernels.py: paged vs contiguous, decode and extend, B 
 hub             40  a random Qwen2.5-0.5B stand-in in a private Hugging Face cache
 engine          70  LLM.generate, fp16, real geometry: mixed and starved workloads
 syncs           25  host-device syncs per engine step
-prefix          40  chapter 8's prefix cache (skipped until minipaged.prefix_cache exists)
-chapter_NN    rest  chapters 1, 5, 6, 7 at full size, 14.6 GiB cap, side by side
+prefix          40  chapter 8's prefix cache: shared prompt, cold and warm TTFT (skipped
+                    where minipaged.prefix_cache does not exist)
+chapter_NN    rest  chapters 1, 5, 6, 7, 8 at full size, 14.6 GiB cap each, side by side
 =============  ===  ================================================================
 
 Results go to bench/results/<gpu-name>/ (a dry run: build/gpu_check_dry/): one CSV per stage,
@@ -52,7 +53,7 @@ from gpu_check.common import ROOT, RowWriter, now, slug, write_json  # noqa: E40
 # (stage, cap in seconds); the chapters run together at the end with whatever time is left.
 PLAN = [("env", 15), ("kernel_tests", 60), ("kernels", 75), ("hub", 40), ("engine", 70),
         ("syncs", 25), ("prefix", 40)]
-PARALLEL = ["chapter_01", "chapter_05", "chapter_06", "chapter_07"]
+PARALLEL = ["chapter_01", "chapter_05", "chapter_06", "chapter_07", "chapter_08"]
 SKIP_CODE = 3  # a worker's exit status meaning "skipped: does not apply here"
 STAGE_FIELDS = ["stage", "status", "seconds", "timeout_s", "returncode", "note"]
 BUDGET = 480

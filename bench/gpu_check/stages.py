@@ -173,7 +173,7 @@ class Workload:
 
 def engine_workloads(dry_run: bool, max_len: int) -> list[Workload]:
     """The mixed workload, and chapter 7's starved one scaled (pool at the seed's ratio)."""
-    mixed_n, new, starved_n, answer = (4, 4, 6, 12) if dry_run else (64, 128, 96, 384)
+    mixed_n, new, starved_n, answer = (4, 4, 4, 8) if dry_run else (64, 128, 96, 384)
     mixed = tuple(lognormal_lengths(mixed_n, max_len - new))
     starved_prompts = (9,) * starved_n
     demand = starved_n * (9 + answer)
@@ -217,7 +217,7 @@ def engine(ctx: Context) -> None:
     device, model = ctx.device(), model_at_real_geometry(ctx)
     config = model.config
     per_token = config.kv_bytes_per_token(next(model.parameters()).element_size())
-    max_len = 256 if ctx.dry_run else 4096
+    max_len = 64 if ctx.dry_run else 4096  # the longest mixed prompt, plus its answer
     gpu = "CPU dry run" if ctx.dry_run else torch.cuda.get_device_name(device)
     generator = torch.Generator().manual_seed(0)
     ample_tokens, prompt_sets = None, {}
@@ -233,7 +233,7 @@ def engine(ctx: Context) -> None:
             prompts = prompt_sets[work.prompt_lens]
             llm = LLM(model=model, kv_cache_memory_bytes=work.pool_tokens * per_token,
                       max_model_len=max(work.prompt_lens) + work.new_tokens,
-                      max_num_batched_tokens=2048)
+                      max_num_batched_tokens=2048, enable_prefix_caching=False)
             # Compile (or specialise) the kernels for this engine's cache before timing it.
             _generate(llm, prompts[:2], 2)
             engine_state = llm.llm_engine
@@ -348,7 +348,8 @@ def syncs(ctx: Context) -> None:
     pool_tokens = sum(lengths) + 64 * len(lengths)  # room for every request at once
     llm = LLM(model=model, kv_cache_memory_bytes=pool_tokens
               * config.kv_bytes_per_token(next(model.parameters()).element_size()),
-              max_model_len=256 if ctx.dry_run else 4096, max_num_batched_tokens=2048)
+              max_model_len=256 if ctx.dry_run else 4096, max_num_batched_tokens=2048,
+              enable_prefix_caching=False)
     params = SamplingParams(temperature=0, max_tokens=6 if ctx.dry_run else 24, ignore_eos=True)
     _generate(llm, [[1] * 40, [2] * 3], 2)  # kernels compiled before anything is counted
     engine_state = llm.llm_engine
@@ -400,7 +401,7 @@ PREFIX_FIELDS = ["gpu", "experiment", "prefix_tokens", "enable_prefix_caching", 
 
 
 def prefix(ctx: Context) -> None:
-    """16 requests on one 2,407-token prefix, caching off and on; cold/warm TTFT by length."""
+    """16 requests on one 2,407-token prompt, caching off and on; cold/warm TTFT by length."""
     import torch
 
     from minipaged import LLM, SamplingParams
@@ -412,7 +413,8 @@ def prefix(ctx: Context) -> None:
     device, model = ctx.device(), model_at_real_geometry(ctx)
     config = model.config
     gpu = "CPU dry run" if ctx.dry_run else torch.cuda.get_device_name(device)
-    shared_len, lengths = (40, (8, 24)) if ctx.dry_run else (2407, (128, 1024, 2048, 4096))
+    shared_len, lengths = (40, (24, 40)) if ctx.dry_run else (2407, (128, 1024, 2048, 4096))
+    num_requests, new_tokens = (4, 2) if ctx.dry_run else (16, 8)
     max_len = max(lengths) + 64
     per_token = config.kv_bytes_per_token(next(model.parameters()).element_size())
     generator = torch.Generator().manual_seed(2)
@@ -434,13 +436,15 @@ def prefix(ctx: Context) -> None:
                       kv_cache_memory_bytes=20 * max_len * per_token)
             timed(llm, [tokens(20)], one)  # compile before timing
             before = llm.llm_engine.num_computed_tokens
-            seconds, _ = timed(llm, [list(shared) for _ in range(16)],
-                               SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-            writer.write({"gpu": gpu, "experiment": "16 requests, shared prefix",
+            seconds, _ = timed(llm, [list(shared) for _ in range(num_requests)],
+                               SamplingParams(temperature=0, max_tokens=new_tokens,
+                                              ignore_eos=True))
+            writer.write({"gpu": gpu, "experiment": "requests on one shared prefix",
                           "prefix_tokens": shared_len, "enable_prefix_caching": caching,
-                          "requests": 16, "new_tokens": 8, "seconds": seconds,
+                          "requests": num_requests, "new_tokens": new_tokens, "seconds": seconds,
                           "num_computed_tokens": llm.llm_engine.num_computed_tokens - before})
-            ctx.log(f"prefix: 16 x {shared_len} tokens, caching {caching}: {seconds:.3f} s")
+            ctx.log(f"prefix: {num_requests} x {shared_len} tokens, caching {caching}: "
+                    f"{seconds:.3f} s")
             del llm
         llm = LLM(model=model, enable_prefix_caching=True, max_model_len=max_len,
                   kv_cache_memory_bytes=8 * max_len * per_token)
@@ -471,7 +475,8 @@ def hub(ctx: Context) -> None:
 
 
 CHAPTERS = {"chapter_01": "01_kv_memory", "chapter_05": "05_paged_attention",
-            "chapter_06": "06_model", "chapter_07": "07_scheduler"}
+            "chapter_06": "06_model", "chapter_07": "07_scheduler",
+            "chapter_08": "08_prefix_caching"}
 DRY_CELLS = 3  # the dry run executes the first cells of each chapter: setup, runtime, a check
 
 
