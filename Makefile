@@ -10,7 +10,7 @@ export PYTHONHASHSEED ?= 0
 # so `make test` followed by `make book` executes every chapter once.
 export MINIPAGED_SHARE_EXECUTION ?= 1
 
-.PHONY: venv book test check tangle lint bench clean
+.PHONY: venv book test check tangle lint bench gpu-check gpu-check-dry clean
 
 venv: $(STAMP)
 $(STAMP): requirements.txt pyproject.toml
@@ -43,6 +43,18 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	for script in bench/*.py; do $(BIN)/python $$script || exit 1; done
+
+## On a GPU machine: everything the book needs a GPU for, in at most 8 minutes (bench/gpu_check).
+## Needs no .venv: the machine's own python3 with CUDA builds of torch and triton. OUT=dir also
+## packs the results there (gpu_check_results.tar.gz: unpack it in bench/results/).
+GPU_PYTHON ?= python3
+gpu-check:
+	env -u TRITON_INTERPRET -u MINIPAGED_SHARE_EXECUTION $(GPU_PYTHON) bench/gpu_check \
+		$(if $(OUT),--out $(OUT))
+
+## The same command on a CPU at tiny sizes under Triton's interpreter, so it cannot rot (CI).
+gpu-check-dry: $(STAMP)
+	$(BIN)/python bench/gpu_check --dry-run --strict
 
 clean:
 	rm -rf _build

@@ -4,8 +4,11 @@
 """Where the book's code runs: the device, the dtype, and the sizes a chapter may afford."""
 from __future__ import annotations
 
+import json
 import os
+import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -61,3 +64,39 @@ def glue(name: str, value, display: bool = False) -> None:
     except ImportError:
         return
     myst_glue(name, value, display=display)
+
+
+@dataclass(frozen=True)
+class GpuResults:
+    """A table measured on a GPU by bench/gpu_check: the card's name, the CSV, its env.json."""
+
+    gpu: str
+    path: Path
+    env: dict
+
+
+def gpu_results(name: str, root: str | Path | None = None) -> GpuResults | None:
+    """The newest GPU run's ``bench/results/<gpu-name>/<name>.csv``, or None if there is none.
+
+    ``root`` is the repository; by default the working directory or the nearest parent that
+    holds ``bench/results`` (a chapter runs in ``chapters/``).
+    """
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
+        raise ValueError(f"name must be a CSV's name without .csv, got {name!r}")
+    bases = [Path(root)] if root is not None else [Path.cwd(), *Path.cwd().parents]
+    results = next((b / "bench" / "results" for b in bases
+                    if (b / "bench" / "results").is_dir()), None)
+    found = []
+    for env_path in sorted(results.glob("*/env.json")) if results else []:
+        try:
+            env = json.loads(env_path.read_text())
+        except (OSError, ValueError):
+            continue
+        table = env_path.parent / f"{name}.csv"
+        if env.get("device") == "cuda" and not env.get("dry_run") and env.get("gpu") \
+                and table.is_file():
+            found.append((str(env.get("started_at", "")), env["gpu"], table, env))
+    if not found:
+        return None
+    _, gpu, table, env = max(found, key=lambda item: item[0])
+    return GpuResults(gpu, table, env)
