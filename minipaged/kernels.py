@@ -353,19 +353,23 @@ def decode_attention(query, kv_cache_layer, block_tables, seq_lens, scale=None,
 
 
 def contiguous_decode_attention(query, keys_values, seq_lens, scale=None,
-                                tile_size: int | None = None,
-                                num_splits: int | None = None) -> torch.Tensor:
+                                tile_size: int | None = None, num_splits: int | None = None,
+                                max_seqlen_k: int | None = None,
+                                validate: bool = True) -> torch.Tensor:
     """The same decode kernel without a table: keys_values [S, 2, max_len, Hkv * D]."""
     _cache_geometry("keys_values", keys_values)
     seq_lens = _integer_tensor("seq_lens", seq_lens, query.device)
-    lens = seq_lens.cpu()
-    if query.shape[0] != seq_lens.shape[0] or bool(((lens < 1) | (lens > keys_values.shape[2]))
-                                                   .any()):
-        raise ValueError(f"seq_lens must hold one length in [1, {keys_values.shape[2]}] for "
-                         f"each of the {query.shape[0]} query tokens, got {lens.tolist()}")
-    longest = int(lens.max()) if lens.numel() else 0
+    if query.shape[0] != seq_lens.shape[0]:
+        raise ValueError(f"seq_lens must hold one length for each of the {query.shape[0]} "
+                         f"query tokens, got {tuple(seq_lens.shape)}")
+    if validate or max_seqlen_k is None:  # one copy to the host
+        lens = seq_lens.cpu()
+        if bool(((lens < 1) | (lens > keys_values.shape[2])).any()):
+            raise ValueError(f"seq_lens must lie in [1, {keys_values.shape[2]}], "
+                             f"got {lens.tolist()[:8]}")
+        max_seqlen_k = int(lens.max()) if lens.numel() else 0
     out, launches = _plan_decode(query, keys_values, seq_lens, seq_lens, scale, False, False,
-                                 tile_size, num_splits, longest, device_target(query.device))
+                                 tile_size, num_splits, max_seqlen_k, device_target(query.device))
     for launch in launches:
         launch.run()
     return out
