@@ -618,12 +618,12 @@ def _example_launches(target: Target, head_dim: int = 64) -> dict[str, Launch]:
     tables = torch.arange(cache.shape[0], dtype=torch.int32).reshape(seqs, -1)
     seq_lens = torch.full((seqs,), context, dtype=torch.int32)
     query = torch.empty(seqs, 14, head_dim, dtype=torch.float16)
-    launches = {}
-    for lookup in ("position", "tile"):
-        _, (decode, *merge) = _plan_decode(query, cache, tables, seq_lens, None, True,
-                                           lookup == "tile", None, None, context, target)
-        launches[f"decode, per-{lookup} lookup"] = decode
-    launches["merge of splits"] = merge[0]
+    plan = lambda lookup, splits: _plan_decode(query, cache, tables, seq_lens, None, True,
+                                               lookup == "tile", None, splits, context, target)
+    _, (decode, merge) = plan("position", None)  # batch 8: split to fill the SMs
+    launches = {"decode": decode, "decode, one split": plan("position", 1)[1][0],
+                "decode, per-tile lookup": plan("tile", None)[1][0]}
+    launches["merge of splits"] = merge
     tokens = torch.empty(4 * 16, 14, head_dim, dtype=torch.float16)
     starts = torch.arange(0, 65, 16, dtype=torch.int32)
     launches["extend"] = _plan_extend(tokens, cache, tables[:4], seq_lens[:4], starts, None,
@@ -671,18 +671,22 @@ GPU_SMS = {75: 40, 80: 108}
 
 def _compile_rows(capabilities, head_dims) -> list[dict]:
     """Every example launch compiled for every capability (run with the interpreter off)."""
+    looping = ("decode, one split", "extend")  # the kernels whose loop the tiles shape
     rows = []
     for capability, head_dim in ((c, d) for c in capabilities for d in head_dims):
+        if capability >= 80 and head_dim != head_dims[0]:
+            continue  # other head sizes: on the T4 only, where registers are tight
         launches = _example_launches(Target(capability, GPU_SMS[capability]), head_dim)
-        if capability < 80 and head_dim == head_dims[0]:  # what the T4 did with Ampere's tiles
+        if head_dim != head_dims[0]:
+            launches = {name: launches[name] for name in looping}
+        elif capability < 80:  # and what the T4 did with Ampere's tiles
             ampere = _example_launches(Target(80, GPU_SMS[capability]), head_dim)
-            launches |= {f"{k}, Ampere's tiles": ampere[k] for k in ("decode, per-position "
-                                                                     "lookup", "extend")}
+            launches |= {f"{name}, Ampere's tiles": ampere[name] for name in looping}
+        else:
+            del launches["decode, per-tile lookup"]  # compared on the T4
         for name, launch in launches.items():
-            if head_dim != head_dims[0] and name not in ("decode, per-position lookup",
-                                                         "extend"):
-                continue  # other head sizes: only the two kernels that loop over tiles
-            sizes = {k: v for k, v in launch.constants.items() if k in ("BLOCK_M", "TILE")}
+            sizes = {k: v for k, v in launch.constants.items()
+                     if k in ("BLOCK_M", "TILE", "NUM_SPLITS")}
             rows.append({"kernel": name, "GPU": GPU_NAMES[capability], "head dim": head_dim,
                          "tiles": " ".join(f"{k}={v}" for k, v in sizes.items()) or "—"}
                         | compile_launch(launch, capability))
