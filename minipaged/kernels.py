@@ -34,7 +34,8 @@ def _tile_offsets(table_row, start, seq_len, block_stride, slot_stride, PAGED: t
         blocks = tl.load(table_row + positions // BLOCK_SIZE, mask=inside, other=0).to(tl.int64)
         offsets = blocks * block_stride + (positions % BLOCK_SIZE) * slot_stride
     elif BLOCK_SIZE >= TILE:  # the tile lies inside one block: one table read per tile
-        block = tl.load(table_row + start // BLOCK_SIZE).to(tl.int64)
+        block = tl.load(table_row + start // BLOCK_SIZE, mask=start < seq_len,
+                        other=0).to(tl.int64)
         offsets = block * block_stride + (start % BLOCK_SIZE + tl.arange(0, TILE)) * slot_stride
     else:  # one table read per block of the tile, broadcast over the block's slots
         entries = start // BLOCK_SIZE + tl.arange(0, TILE // BLOCK_SIZE)
@@ -74,7 +75,7 @@ def _decode_kernel(out_ptr, part_out_ptr, part_lse_ptr, q_ptr, cache_ptr, table_
                    num_query_heads, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                    HEAD_DIM: tl.constexpr, PAGED: tl.constexpr, PER_TILE: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                   PRECISION: tl.constexpr):
+                   PRECISION: tl.constexpr, PREFETCH: tl.constexpr):
     """One decode token of one sequence, all query heads of one KV head, one split."""
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -90,12 +91,25 @@ def _decode_kernel(out_ptr, part_out_ptr, part_lse_ptr, q_ptr, cache_ptr, table_
     m_i = tl.full((GROUP_PAD,), -1.0e30, tl.float32)
     l_i = tl.zeros((GROUP_PAD,), tl.float32)
     acc = tl.zeros((GROUP_PAD, HEAD_DIM), tl.float32)
-    for start in range(first, tl.minimum(seq_len, first + per_split), TILE):
-        offsets, inside = _tile_offsets(table_row, start, seq_len, block_stride, slot_stride,
+    last = tl.minimum(seq_len, first + per_split)
+    if PREFETCH:  # load the next tile before this one's arithmetic, so the two overlap
+        offsets, inside = _tile_offsets(table_row, first, last, block_stride, slot_stride,
                                         PAGED, PER_TILE, BLOCK_SIZE, TILE)
         keys, values = _load_tile(base, kv_stride, offsets, inside)
-        m_i, l_i, acc = _online_softmax_step(q, keys, values, inside[None, :], m_i, l_i, acc,
-                                             scale_log2, PRECISION)
+        for start in range(first, last, TILE):
+            offsets, next_inside = _tile_offsets(table_row, start + TILE, last, block_stride,
+                                                 slot_stride, PAGED, PER_TILE, BLOCK_SIZE, TILE)
+            next_keys, next_values = _load_tile(base, kv_stride, offsets, next_inside)
+            m_i, l_i, acc = _online_softmax_step(q, keys, values, inside[None, :], m_i, l_i,
+                                                 acc, scale_log2, PRECISION)
+            keys, values, inside = next_keys, next_values, next_inside
+    else:
+        for start in range(first, last, TILE):
+            offsets, inside = _tile_offsets(table_row, start, last, block_stride, slot_stride,
+                                            PAGED, PER_TILE, BLOCK_SIZE, TILE)
+            keys, values = _load_tile(base, kv_stride, offsets, inside)
+            m_i, l_i, acc = _online_softmax_step(q, keys, values, inside[None, :], m_i, l_i,
+                                                 acc, scale_log2, PRECISION)
     safe = tl.where(l_i > 0, l_i, 1.0)  # an empty split (or context) has l_i = 0
     if NUM_SPLITS == 1:
         tl.store(out_ptr + token * stride_ot + heads[:, None] * stride_oh + dims[None, :],
@@ -203,6 +217,12 @@ def _decode_tile(head_dim: int, element_size: int, capability: int) -> int:
     return max(16, min(64, 16384 // (head_dim * element_size)))
 
 
+def _decode_prefetch(capability: int, head_dim: int, num_splits: int) -> bool:
+    """Load the next decode tile into registers before this one's arithmetic? Below 8.0, where
+    no asynchronous copy does it, and only where the compile table shows it costs no program."""
+    return capability < 80 and head_dim <= 64 and num_splits == 1
+
+
 def _extend_tiles(group_pad: int, head_dim: int, element_size: int,
                   capability: int) -> tuple[int, int]:
     """(query tokens, positions) per extend program, for the head dim, element size and GPU."""
@@ -307,7 +327,8 @@ def _plan_decode(query, cache, table, seq_lens, scale, paged, per_tile, tile_siz
         scale * LOG2_E, num_heads), dict(
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         PAGED=paged, PER_TILE=per_tile, BLOCK_SIZE=cache.shape[2], TILE=tile,
-        NUM_SPLITS=num_splits, PRECISION=_dot_precision(cache.dtype), num_warps=NUM_WARPS,
+        NUM_SPLITS=num_splits, PRECISION=_dot_precision(cache.dtype),
+        PREFETCH=_decode_prefetch(target.capability, head_dim, num_splits), num_warps=NUM_WARPS,
         num_stages=NUM_STAGES))]
     if num_splits > 1:
         launches.append(Launch(_merge_splits_kernel, (num_seqs, num_heads), (
@@ -679,14 +700,20 @@ def _compile_rows(capabilities, head_dims) -> list[dict]:
         launches = _example_launches(Target(capability, GPU_SMS[capability]), head_dim)
         if head_dim != head_dims[0]:
             launches = {name: launches[name] for name in looping}
-        elif capability < 80:  # and what the T4 did with Ampere's tiles
+        elif capability < 80:  # and what the T4 did with Ampere's tiles, or other prefetch
             ampere = _example_launches(Target(80, GPU_SMS[capability]), head_dim)
             launches |= {f"{name}, Ampere's tiles": ampere[name] for name in looping}
+            for name in ("decode", "decode, one split"):
+                launch = launches[name]
+                prefetch = not launch.constants["PREFETCH"]
+                launches[f"{name}, prefetch {'on' if prefetch else 'off'}"] = Launch(
+                    launch.kernel, launch.grid, launch.args,
+                    launch.constants | {"PREFETCH": prefetch})
         else:
             del launches["decode, per-tile lookup"]  # compared on the T4
         for name, launch in launches.items():
             sizes = {k: v for k, v in launch.constants.items()
-                     if k in ("BLOCK_M", "TILE", "NUM_SPLITS")}
+                     if k in ("BLOCK_M", "TILE", "NUM_SPLITS", "PREFETCH")}
             rows.append({"kernel": name, "GPU": GPU_NAMES[capability], "head dim": head_dim,
                          "tiles": " ".join(f"{k}={v}" for k, v in sizes.items()) or "—"}
                         | compile_launch(launch, capability))

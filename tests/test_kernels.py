@@ -330,6 +330,29 @@ def test_splits_fill_one_wave_and_no_more(num_sms, capability):
     assert K._pick_splits(2, 2048, 16, K.INTERPRETER) == 1  # the interpreter never splits
 
 
+@pytest.mark.heavy
+@pytest.mark.parametrize("block_size, lookup", [(1, "position"), (4, "tile"), (64, "tile")])
+def test_the_t4_launches_match_the_reference(block_size, lookup):
+    # The launches a T4 gets (16-position tiles, register prefetch, 4-token extend programs),
+    # run under the interpreter: the prefetch reads one tile past the last, masked.
+    t4 = K.Target(75, 0)  # no SMs to fill: one split, so the decode prefetches
+    query, layer, tables, seq_lens, starts, _ = make_batch([1, 17, 64, 130], [1] * 4, block_size)
+    expected = reference_paged_attention(query, layer, tables, seq_lens, starts)
+    out, launches = K._plan_decode(query, layer, tables, seq_lens, None, True, lookup == "tile",
+                                   None, None, 130, t4)
+    assert [launch.constants["PREFETCH"] for launch in launches] == [True]
+    assert launches[0].constants["TILE"] == 16
+    for launch in launches:
+        launch.run()
+    assert_close(out, expected, torch.float16)
+    query, layer, tables, seq_lens, starts, _ = make_batch([21, 50, 9], [21, 9, 1], block_size)
+    expected = reference_paged_attention(query, layer, tables, seq_lens, starts)
+    out, launch = K._plan_extend(query, layer, tables, seq_lens, starts, None, None, None, t4)
+    assert launch.constants["BLOCK_M"] == 4
+    launch.run()
+    assert_close(out, expected, torch.float16)
+
+
 # ---- the step's lengths from the host: the same answer without reading the GPU ----
 
 @pytest.mark.heavy
@@ -368,6 +391,11 @@ def test_kernels_fit_a_t4_and_an_a100_as_the_wrappers_launch_them():
         assert row["shared (KiB)"] * 1024 <= WITHOUT_OPT_IN, row
         if row["kernel"].startswith(("decode", "extend")):
             assert row["programs / SM"] >= 2, row
+    t4 = {r["kernel"]: r for r in rows if r["GPU"] == "T4 (7.5)" and r["head dim"] == 64}
+    # The prefetch rule: on where it costs no resident program (one split), off where it would.
+    assert (t4["decode, one split"]["programs / SM"]
+            == t4["decode, one split, prefetch off"]["programs / SM"])
+    assert t4["decode, prefetch on"]["programs / SM"] < t4["decode"]["programs / SM"]
     for capability, gpu in K.GPU_NAMES.items():  # the split rule assumes what the compiler gives
         decode = next(r for r in rows if r["GPU"] == gpu and r["head dim"] == 64
                       and r["kernel"] == "decode")  # split, as the rule would launch it
