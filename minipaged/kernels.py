@@ -282,8 +282,8 @@ def check_attention_inputs(block_tables, seq_lens, query_start_loc, num_tokens: 
     outside = reached & ((tables < 0) | (tables >= num_blocks))
     if bool(outside.any()):
         s, i = outside.nonzero()[0].tolist()
-        raise ValueError(f"block_tables[{s}, {i}] = {int(tables[s, i])} is not a block of the "
-                         f"cache's {num_blocks}")
+        raise ValueError(f"block_tables[{s}, {i}] = {int(tables[s, i])} is outside the "
+                         f"cache's {num_blocks} blocks")
     longest = lambda t: int(t.max()) if t.numel() else 0
     return longest(query_lens), longest(lens)
 
