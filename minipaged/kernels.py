@@ -4,7 +4,13 @@
 """Triton kernels for the paged KV cache: decode, extend (prefill) and store, with dispatch."""
 from __future__ import annotations
 
-import math
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -28,7 +34,8 @@ def _tile_offsets(table_row, start, seq_len, block_stride, slot_stride, PAGED: t
         blocks = tl.load(table_row + positions // BLOCK_SIZE, mask=inside, other=0).to(tl.int64)
         offsets = blocks * block_stride + (positions % BLOCK_SIZE) * slot_stride
     elif BLOCK_SIZE >= TILE:  # the tile lies inside one block: one table read per tile
-        block = tl.load(table_row + start // BLOCK_SIZE).to(tl.int64)
+        block = tl.load(table_row + start // BLOCK_SIZE, mask=start < seq_len,
+                        other=0).to(tl.int64)
         offsets = block * block_stride + (start % BLOCK_SIZE + tl.arange(0, TILE)) * slot_stride
     else:  # one table read per block of the tile, broadcast over the block's slots
         entries = start // BLOCK_SIZE + tl.arange(0, TILE // BLOCK_SIZE)
@@ -65,9 +72,10 @@ def _online_softmax_step(q, keys, values, valid, m_i, l_i, acc, scale_log2,
 def _decode_kernel(out_ptr, part_out_ptr, part_lse_ptr, q_ptr, cache_ptr, table_ptr,
                    seq_lens_ptr, query_start_ptr, stride_qt, stride_qh, stride_ot, stride_oh,
                    stride_table, seq_stride, block_stride, kv_stride, slot_stride, scale_log2,
-                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   PAGED: tl.constexpr, PER_TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                   TILE: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr):
+                   num_query_heads, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, PAGED: tl.constexpr, PER_TILE: tl.constexpr,
+                   BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                   PRECISION: tl.constexpr, PREFETCH: tl.constexpr):
     """One decode token of one sequence, all query heads of one KV head, one split."""
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -83,18 +91,31 @@ def _decode_kernel(out_ptr, part_out_ptr, part_lse_ptr, q_ptr, cache_ptr, table_
     m_i = tl.full((GROUP_PAD,), -1.0e30, tl.float32)
     l_i = tl.zeros((GROUP_PAD,), tl.float32)
     acc = tl.zeros((GROUP_PAD, HEAD_DIM), tl.float32)
-    for start in range(first, tl.minimum(seq_len, first + per_split), TILE):
-        offsets, inside = _tile_offsets(table_row, start, seq_len, block_stride, slot_stride,
+    last = tl.minimum(seq_len, first + per_split)
+    if PREFETCH:  # load the next tile before this one's arithmetic, so the two overlap
+        offsets, inside = _tile_offsets(table_row, first, last, block_stride, slot_stride,
                                         PAGED, PER_TILE, BLOCK_SIZE, TILE)
         keys, values = _load_tile(base, kv_stride, offsets, inside)
-        m_i, l_i, acc = _online_softmax_step(q, keys, values, inside[None, :], m_i, l_i, acc,
-                                             scale_log2, PRECISION)
+        for start in range(first, last, TILE):
+            offsets, next_inside = _tile_offsets(table_row, start + TILE, last, block_stride,
+                                                 slot_stride, PAGED, PER_TILE, BLOCK_SIZE, TILE)
+            next_keys, next_values = _load_tile(base, kv_stride, offsets, next_inside)
+            m_i, l_i, acc = _online_softmax_step(q, keys, values, inside[None, :], m_i, l_i,
+                                                 acc, scale_log2, PRECISION)
+            keys, values, inside = next_keys, next_values, next_inside
+    else:
+        for start in range(first, last, TILE):
+            offsets, inside = _tile_offsets(table_row, start, last, block_stride, slot_stride,
+                                            PAGED, PER_TILE, BLOCK_SIZE, TILE)
+            keys, values = _load_tile(base, kv_stride, offsets, inside)
+            m_i, l_i, acc = _online_softmax_step(q, keys, values, inside[None, :], m_i, l_i,
+                                                 acc, scale_log2, PRECISION)
     safe = tl.where(l_i > 0, l_i, 1.0)  # an empty split (or context) has l_i = 0
     if NUM_SPLITS == 1:
         tl.store(out_ptr + token * stride_ot + heads[:, None] * stride_oh + dims[None, :],
                  (acc / safe[:, None]).to(out_ptr.dtype.element_ty), mask=real[:, None])
     else:  # an empty split gets weight 0 in the merge
-        row = (seq.to(tl.int64) * tl.num_programs(1) * GROUP + heads) * NUM_SPLITS + split
+        row = (seq.to(tl.int64) * num_query_heads + heads) * NUM_SPLITS + split
         tl.store(part_lse_ptr + row, tl.where(l_i > 0, m_i + tl.log2(safe), -1.0e30), mask=real)
         tl.store(part_out_ptr + row[:, None] * HEAD_DIM + dims[None, :], acc / safe[:, None],
                  mask=real[:, None])
@@ -102,11 +123,12 @@ def _decode_kernel(out_ptr, part_out_ptr, part_lse_ptr, q_ptr, cache_ptr, table_
 
 @triton.jit
 def _merge_splits_kernel(out_ptr, part_out_ptr, part_lse_ptr, query_start_ptr, stride_ot,
-                         stride_oh, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr):
+                         stride_oh, num_query_heads, HEAD_DIM: tl.constexpr,
+                         NUM_SPLITS: tl.constexpr):
     """Merge one query head's partial results, each weighted by its share of the softmax sum."""
     seq, head = tl.program_id(0), tl.program_id(1)
     token = tl.load(query_start_ptr + seq).to(tl.int64)
-    first_row = (seq.to(tl.int64) * tl.num_programs(1) + head) * NUM_SPLITS
+    first_row = (seq.to(tl.int64) * num_query_heads + head) * NUM_SPLITS
     row = first_row + tl.arange(0, NUM_SPLITS)
     dims = tl.arange(0, HEAD_DIM)
     lse = tl.load(part_lse_ptr + row)
@@ -156,64 +178,163 @@ def _last_dim_contiguous(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
 
 
-def _pick_splits(num_programs: int, max_seq_len: int, tile: int, device: torch.device) -> int:
-    """Enough splits to give a GPU two programs per multiprocessor, each at least 4 tiles long."""
+def _cache_geometry(name: str, cache: torch.Tensor) -> tuple[int, int]:
+    """(blocks, block size) of a cache shaped [N, 2, B, width] with a unit last stride."""
+    if cache.dim() != 4 or cache.shape[1] != 2:
+        raise ValueError(f"{name} must be [num_blocks, 2, block_size, width], "
+                         f"got {tuple(cache.shape)}")
+    if cache.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous in its last dimension")
+    return cache.shape[0], cache.shape[2]
+
+
+@dataclass(frozen=True)
+class Target:
+    """What the dispatcher needs to know of a GPU: compute capability and multiprocessors."""
+
+    capability: int  # 75 for a T4 (Turing), 80 for an A100 (Ampere)
+    num_sms: int  # multiprocessors to fill; 0 under the interpreter, which has none
+
+
+INTERPRETER = Target(80, 0)  # on a CPU: the sizes of Ampere and later, never split
+FMA_DOT_PRODUCTS = 2**16  # below 8.0: rows x positions x head_dim that a program's registers hold
+NUM_WARPS, NUM_STAGES = 4, 2  # stages overlap loads through async copies: 8.0 and later only
+
+
+def device_target(device: torch.device) -> Target:
+    """The target a tensor on this device runs on (the interpreter for a CPU tensor)."""
     if device.type != "cuda":
-        return 1
-    wanted = 2 * torch.cuda.get_device_properties(device).multi_processor_count / num_programs
-    most = max(1, max_seq_len // (4 * tile))
-    return 1 << int(math.log2(max(1, min(wanted, most, 64))))
+        return INTERPRETER
+    major, minor = torch.cuda.get_device_capability(device)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return Target(10 * major + minor, sms)
 
 
-def _decode_tile(head_dim: int, element_size: int) -> int:
-    """Positions per decode tile: 64, fewer once one tile of keys would pass 16 KiB."""
+def _decode_tile(head_dim: int, element_size: int, capability: int) -> int:
+    """Positions per decode tile: 16 on FMA units; else 64, fewer past 16 KiB of keys."""
+    if capability < 80:  # 16 rows x 16 positions x head_dim: no spills up to head_dim 256
+        return 16
     return max(16, min(64, 16384 // (head_dim * element_size)))
 
 
-def _extend_tiles(group_pad: int, head_dim: int, element_size: int) -> tuple[int, int]:
-    """(query tokens, positions) per extend program, sized to the head dim and element size."""
+def _decode_prefetch(capability: int, head_dim: int, num_splits: int) -> bool:
+    """Load the next decode tile into registers before this one's arithmetic? Below 8.0, where
+    no asynchronous copy does it, and only where the compile table shows it costs no program."""
+    return capability < 80 and head_dim <= 64 and num_splits == 1
+
+
+def _extend_tiles(group_pad: int, head_dim: int, element_size: int,
+                  capability: int) -> tuple[int, int]:
+    """(query tokens, positions) per extend program, for the head dim, element size and GPU."""
     rows = max(16, group_pad, 16384 // (head_dim * element_size))
     tile = max(16, min(32, 8192 // (head_dim * element_size)))
+    if capability < 80:  # all products in registers: rows x tile x head_dim at most 2**16
+        tile = min(tile, max(16, 2048 // head_dim))
+        rows = min(rows, max(16, group_pad, FMA_DOT_PRODUCTS // (tile * head_dim)))
     return max(1, rows // group_pad), tile
 
 
-def _launch_decode(query, cache, table, seq_lens, scale, paged, per_tile, tile_size, num_splits):
-    """Run the decode kernel over a paged ([N, 2, B, W]) or contiguous ([S, 2, L, W]) cache."""
+MIN_SPLIT_TILES, MAX_SPLITS = 4, 64
+
+
+def _decode_programs_per_sm(capability: int) -> int:
+    """Split decode programs an SM keeps resident at the dispatcher's tiles (the compile table's
+    figure for this book's model, checked by the tests); other shapes get about as many."""
+    return 7
+
+
+def _pick_splits(num_programs: int, longest: int, tile: int, target: Target) -> int:
+    """The most splits (a power of two) that still run in one wave, each at least 4 tiles."""
+    if target.num_sms == 0 or num_programs == 0:
+        return 1
+    resident = target.num_sms * _decode_programs_per_sm(target.capability)
+    most = min(resident // num_programs, longest // (MIN_SPLIT_TILES * tile), MAX_SPLITS)
+    return 1 << (max(1, most).bit_length() - 1)
+
+
+def _integer_tensor(name: str, values, device: torch.device) -> torch.Tensor:
+    """values as a tensor on device, refused by name unless it holds integers."""
+    values = torch.as_tensor(values, device=device)
+    if values.dtype == torch.bool or values.is_floating_point() or values.is_complex():
+        raise ValueError(f"{name} must hold integers, got dtype {values.dtype}")
+    return values
+
+
+def check_attention_inputs(block_tables, seq_lens, query_start_loc, num_tokens: int,
+                           num_blocks: int, block_size: int) -> tuple[int, int]:
+    """Refuse, on the host, what would send a kernel outside the cache; return the longest
+    query and the longest context. One copy to the host per call: a sync on a GPU."""
+    tables, lens, starts = (t.to("cpu", torch.int64)
+                            for t in (block_tables, seq_lens, query_start_loc))
+    query_lens = starts.diff()
+    if int(starts[0]) != 0 or int(starts[-1]) != num_tokens or bool((query_lens < 0).any()):
+        raise ValueError(f"query_start_loc must rise from 0 to the number of query tokens "
+                         f"({num_tokens}), got {starts.tolist()[:8]}...")
+    if bool((lens < query_lens).any()):
+        s = int((lens < query_lens).nonzero()[0])
+        raise ValueError(f"seq_lens[{s}] = {int(lens[s])} is shorter than its "
+                         f"{int(query_lens[s])} query tokens")
+    needed = -(-lens // block_size)  # table entries each context reaches
+    if bool((needed > tables.shape[1]).any()):
+        raise ValueError(f"block_tables has {tables.shape[1]} entries a row, and seq_lens "
+                         f"need up to {int(needed.max())} blocks of {block_size}")
+    reached = torch.arange(tables.shape[1])[None, :] < needed[:, None]
+    outside = reached & ((tables < 0) | (tables >= num_blocks))
+    if bool(outside.any()):
+        s, i = outside.nonzero()[0].tolist()
+        raise ValueError(f"block_tables[{s}, {i}] = {int(tables[s, i])} is outside the "
+                         f"cache's {num_blocks} blocks")
+    longest = lambda t: int(t.max()) if t.numel() else 0
+    return longest(query_lens), longest(lens)
+
+
+@dataclass
+class Launch:
+    """One kernel launch as a wrapper makes it: kernel, grid, arguments, constants."""
+
+    kernel: object  # a @triton.jit function
+    grid: tuple[int, ...]
+    args: tuple
+    constants: dict  # constexpr arguments, plus num_warps and num_stages
+
+    def run(self) -> None:
+        self.kernel[self.grid](*self.args, **self.constants)
+
+
+def _plan_decode(query, cache, table, seq_lens, scale, paged, per_tile, tile_size, num_splits,
+                 longest, target):
+    """The output tensor and the launches (decode, then merge if split) of one decode."""
     num_kv_heads, group, head_dim = _head_geometry(query, cache.shape[-1])
-    num_seqs = seq_lens.shape[0]
-    if query.shape[0] != num_seqs:
-        raise ValueError(f"query must hold one token per sequence ({num_seqs}), "
-                         f"got {query.shape[0]}")
-    if cache.stride(-1) != 1:
-        raise ValueError("kv_cache_layer must be contiguous in its last dimension")
+    num_seqs, num_heads = seq_lens.shape[0], query.shape[1]
     query, table = _last_dim_contiguous(query), _last_dim_contiguous(table)
     seq_lens = seq_lens.to(device=query.device, dtype=torch.int32)
     query_start = torch.arange(num_seqs + 1, device=query.device, dtype=torch.int32)
-    tile = _check_tile("tile_size", _decode_tile(head_dim, cache.element_size())
+    tile = _check_tile("tile_size", _decode_tile(head_dim, cache.element_size(),
+                                                 target.capability)
                        if tile_size is None else tile_size)
     if num_splits is None:
-        longest = int(seq_lens.max()) if num_seqs else 0
-        num_splits = _pick_splits(num_seqs * num_kv_heads, longest, tile, query.device)
+        num_splits = _pick_splits(num_seqs * num_kv_heads, longest, tile, target)
     _check_tile("num_splits", num_splits, least=1)
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-    part_out = torch.empty((num_seqs, query.shape[1], num_splits, head_dim) if num_splits > 1
-                           else (1,), device=query.device, dtype=torch.float32)
-    part_lse = torch.empty(part_out.shape[:3] if num_splits > 1 else (1,),
-                           device=query.device, dtype=torch.float32)
+    split = (num_seqs, num_heads, num_splits, head_dim) if num_splits > 1 else (1, 1, 1, 1)
+    part_out = torch.empty(split, device=query.device, dtype=torch.float32)
+    part_lse = torch.empty(split[:3], device=query.device, dtype=torch.float32)
     scale = head_dim ** -0.5 if scale is None else scale
-    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        out, part_out, part_lse, query, cache, table, seq_lens, query_start,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        table.stride(0) if paged else 0, 0 if paged else cache.stride(0), cache.stride(0),
-        cache.stride(1), cache.stride(2), scale * LOG2_E, GROUP=group,
-        GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, PAGED=paged,
-        PER_TILE=per_tile, BLOCK_SIZE=cache.shape[2], TILE=tile, NUM_SPLITS=num_splits,
-        PRECISION=_dot_precision(cache.dtype))
+    launches = [Launch(_decode_kernel, (num_seqs, num_kv_heads, num_splits), (
+        out, part_out, part_lse, query, cache, table, seq_lens, query_start, query.stride(0),
+        query.stride(1), out.stride(0), out.stride(1), table.stride(0) if paged else 0,
+        0 if paged else cache.stride(0), cache.stride(0), cache.stride(1), cache.stride(2),
+        scale * LOG2_E, num_heads), dict(
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        PAGED=paged, PER_TILE=per_tile, BLOCK_SIZE=cache.shape[2], TILE=tile,
+        NUM_SPLITS=num_splits, PRECISION=_dot_precision(cache.dtype),
+        PREFETCH=_decode_prefetch(target.capability, head_dim, num_splits), num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES))]
     if num_splits > 1:
-        _merge_splits_kernel[(num_seqs, query.shape[1])](
-            out, part_out, part_lse, query_start, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, NUM_SPLITS=num_splits)
-    return out
+        launches.append(Launch(_merge_splits_kernel, (num_seqs, num_heads), (
+            out, part_out, part_lse, query_start, out.stride(0), out.stride(1), num_heads),
+            dict(HEAD_DIM=head_dim, NUM_SPLITS=num_splits, num_warps=2, num_stages=1)))
+    return out, launches
 
 
 LOOKUPS = ("position", "tile")
@@ -221,31 +342,58 @@ LOOKUPS = ("position", "tile")
 
 def decode_attention(query, kv_cache_layer, block_tables, seq_lens, scale=None,
                      lookup: str = "position", tile_size: int | None = None,
-                     num_splits: int | None = None) -> torch.Tensor:
-    """Paged decode: query [S, Hq, D], one token per sequence, read through block_tables."""
+                     num_splits: int | None = None, max_seqlen_k: int | None = None,
+                     validate: bool = True) -> torch.Tensor:
+    """Paged decode: query [S, Hq, D], one token per sequence, read through block_tables.
+
+    validate=False skips the host check (and its sync), for a caller that checked the step."""
     if lookup not in LOOKUPS:
         raise ValueError(f"lookup must be one of {LOOKUPS}, got {lookup!r}")
-    if kv_cache_layer.dim() != 4 or kv_cache_layer.shape[1] != 2:
-        raise ValueError(f"kv_cache_layer must be [num_blocks, 2, block_size, width], "
-                         f"got {tuple(kv_cache_layer.shape)}")
-    check_block_size(kv_cache_layer.shape[2])
-    block_tables = torch.as_tensor(block_tables, device=query.device)
-    if block_tables.dim() != 2 or block_tables.shape[0] != torch.as_tensor(seq_lens).shape[0]:
+    num_blocks, block_size = _cache_geometry("kv_cache_layer", kv_cache_layer)
+    check_block_size(block_size)
+    seq_lens = _integer_tensor("seq_lens", seq_lens, query.device)
+    block_tables = _integer_tensor("block_tables", block_tables, query.device)
+    num_seqs = seq_lens.shape[0]
+    if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
         raise ValueError(f"block_tables must be [S, max_blocks], got {tuple(block_tables.shape)}")
-    return _launch_decode(query, kv_cache_layer, block_tables, torch.as_tensor(seq_lens), scale,
-                          True, lookup == "tile", tile_size, num_splits)
+    if query.shape[0] != num_seqs:
+        raise ValueError(f"query must hold one token per sequence ({num_seqs}), "
+                         f"got {query.shape[0]}")
+    if validate:
+        _, max_seqlen_k = check_attention_inputs(block_tables, seq_lens,
+                                                 torch.arange(num_seqs + 1), num_seqs,
+                                                 num_blocks, block_size)
+    target = device_target(query.device)
+    if max_seqlen_k is None and num_splits is None and target.num_sms:
+        max_seqlen_k = int(seq_lens.max()) if num_seqs else 0  # a sync: pass it to avoid one
+    out, launches = _plan_decode(query, kv_cache_layer, block_tables, seq_lens, scale, True,
+                                 lookup == "tile", tile_size, num_splits, max_seqlen_k, target)
+    for launch in launches:
+        launch.run()
+    return out
 
 
 def contiguous_decode_attention(query, keys_values, seq_lens, scale=None,
-                                tile_size: int | None = None,
-                                num_splits: int | None = None) -> torch.Tensor:
+                                tile_size: int | None = None, num_splits: int | None = None,
+                                max_seqlen_k: int | None = None,
+                                validate: bool = True) -> torch.Tensor:
     """The same decode kernel without a table: keys_values [S, 2, max_len, Hkv * D]."""
-    if keys_values.dim() != 4 or keys_values.shape[1] != 2:
-        raise ValueError(f"keys_values must be [S, 2, max_len, width], "
-                         f"got {tuple(keys_values.shape)}")
-    seq_lens = torch.as_tensor(seq_lens)
-    return _launch_decode(query, keys_values, seq_lens.to(query.device), seq_lens, scale, False,
-                          False, tile_size, num_splits)
+    _cache_geometry("keys_values", keys_values)
+    seq_lens = _integer_tensor("seq_lens", seq_lens, query.device)
+    if query.shape[0] != seq_lens.shape[0]:
+        raise ValueError(f"seq_lens must hold one length for each of the {query.shape[0]} "
+                         f"query tokens, got {tuple(seq_lens.shape)}")
+    if validate or max_seqlen_k is None:  # one copy to the host
+        lens = seq_lens.cpu()
+        if bool(((lens < 1) | (lens > keys_values.shape[2])).any()):
+            raise ValueError(f"seq_lens must lie in [1, {keys_values.shape[2]}], "
+                             f"got {lens.tolist()[:8]}")
+        max_seqlen_k = int(lens.max()) if lens.numel() else 0
+    out, launches = _plan_decode(query, keys_values, seq_lens, seq_lens, scale, False, False,
+                                 tile_size, num_splits, max_seqlen_k, device_target(query.device))
+    for launch in launches:
+        launch.run()
+    return out
 
 
 @triton.jit
@@ -256,8 +404,10 @@ def _store_kv_kernel(key_ptr, value_ptr, cache_ptr, slot_mapping_ptr, stride_kt,
     """Write one token's keys and values (all KV heads) into its slot; slot -1 is skipped."""
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot < 0:  # a padding token owns no slot
+        return
     lanes = tl.arange(0, WIDTH_PAD)
-    keep = (lanes < WIDTH) & (slot + 0 * lanes >= 0)  # slot -1: store nothing
+    keep = lanes < WIDTH
     head, dim = lanes // HEAD_DIM, lanes % HEAD_DIM
     key = tl.load(key_ptr + token * stride_kt + head * stride_kh + dim, mask=keep)
     value = tl.load(value_ptr + token * stride_vt + head * stride_vh + dim, mask=keep)
@@ -266,31 +416,71 @@ def _store_kv_kernel(key_ptr, value_ptr, cache_ptr, slot_mapping_ptr, stride_kt,
     tl.store(target + kv_stride + lanes, value.to(cache_ptr.dtype.element_ty), mask=keep)
 
 
-def triton_store_kv(key, value, kv_cache_layer, slot_mapping) -> None:
-    """Write key and value [T, Hkv, D] into kv_cache_layer through slot_mapping [T]."""
-    slot_mapping = check_store_inputs(key, value, kv_cache_layer, slot_mapping)  # chapter 4
+def _check_unique_slots(slot_mapping: torch.Tensor) -> None:
+    """Refuse two tokens written to one slot: on a GPU their programs would race."""
+    kept = slot_mapping[slot_mapping >= 0]
+    if kept.unique().numel() != kept.numel():
+        values, counts = kept.unique(return_counts=True)
+        raise ValueError(f"slot_mapping names slot {int(values[counts > 1][0])} more than once")
+
+
+def _plan_store(key, value, kv_cache_layer, slot_mapping) -> Launch:
+    """The store's launch: one program, of one warp, per token."""
     _, _, block_size, width = kv_cache_layer.shape
     if key.stride(2) != 1 or value.stride(2) != 1 or kv_cache_layer.stride(-1) != 1:
         raise ValueError("key, value and kv_cache_layer must be contiguous in their last dimension")
+    return Launch(_store_kv_kernel, (key.shape[0],), (
+        key, value, kv_cache_layer, slot_mapping, key.stride(0), key.stride(1), value.stride(0),
+        value.stride(1), kv_cache_layer.stride(0), kv_cache_layer.stride(1),
+        kv_cache_layer.stride(2)), dict(HEAD_DIM=key.shape[2], WIDTH=width,
+                                        WIDTH_PAD=triton.next_power_of_2(width),
+                                        BLOCK_SIZE=block_size, num_warps=1, num_stages=1))
+
+
+def triton_store_kv(key, value, kv_cache_layer, slot_mapping, validate: bool = True) -> None:
+    """Write key and value [T, Hkv, D] into kv_cache_layer through slot_mapping [T]."""
+    if validate:
+        slot_mapping = check_store_inputs(key, value, kv_cache_layer, slot_mapping)  # chapter 4
+        _check_unique_slots(slot_mapping)
+    else:  # shapes only: the caller checked the slots once for the step
+        slot_mapping = _integer_tensor("slot_mapping", slot_mapping, kv_cache_layer.device)
+        if key.dim() != 3 or key.shape != value.shape or slot_mapping.shape != key.shape[:1] \
+                or key.shape[1] * key.shape[2] != kv_cache_layer.shape[-1]:
+            raise ValueError(f"key, value [T, Hkv, D], slot_mapping [T] and the cache's width "
+                             f"disagree: {tuple(key.shape)}, {tuple(value.shape)}, "
+                             f"{tuple(slot_mapping.shape)}, {kv_cache_layer.shape[-1]}")
     if key.shape[0]:
-        _store_kv_kernel[(key.shape[0],)](
-            key, value, kv_cache_layer, slot_mapping, key.stride(0), key.stride(1),
-            value.stride(0), value.stride(1), kv_cache_layer.stride(0), kv_cache_layer.stride(1),
-            kv_cache_layer.stride(2), HEAD_DIM=key.shape[2], WIDTH=width,
-            WIDTH_PAD=triton.next_power_of_2(width), BLOCK_SIZE=block_size)
+        _plan_store(key, value, kv_cache_layer, slot_mapping).run()
+
+
+@triton.jit
+def _find_sequence(query_start_ptr, block, num_seqs, BLOCK_M: tl.constexpr):
+    """The last sequence s whose first query block, query_start[s] // BLOCK_M + s, is <= block."""
+    low, high = 0, num_seqs - 1
+    while low < high:
+        middle = (low + high + 1) // 2
+        if tl.load(query_start_ptr + middle) // BLOCK_M + middle <= block:
+            low = middle
+        else:
+            high = middle - 1
+    return low
 
 
 @triton.jit
 def _extend_kernel(out_ptr, q_ptr, cache_ptr, table_ptr, seq_lens_ptr, query_start_ptr,
                    stride_qt, stride_qh, stride_ot, stride_oh, stride_table, block_stride,
-                   kv_stride, slot_stride, scale_log2, GROUP: tl.constexpr,
+                   kv_stride, slot_stride, scale_log2, num_seqs, GROUP: tl.constexpr,
                    GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    BLOCK_M: tl.constexpr, TILE: tl.constexpr, PRECISION: tl.constexpr):
     """BLOCK_M query tokens of one sequence, all query heads of one KV head, causal."""
-    seq, kv_head, m_start = tl.program_id(0), tl.program_id(1), tl.program_id(2) * BLOCK_M
-    seq_len = tl.load(seq_lens_ptr + seq)
+    block, kv_head = tl.program_id(0), tl.program_id(1)
+    seq = _find_sequence(query_start_ptr, block, num_seqs, BLOCK_M)
     q_first = tl.load(query_start_ptr + seq)
     q_len = tl.load(query_start_ptr + seq + 1) - q_first
+    m_start = (block - q_first // BLOCK_M - seq) * BLOCK_M
+    if m_start >= q_len:  # a spare block of this sequence
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
     rows, dims = tl.arange(0, BLOCK_M * GROUP_PAD), tl.arange(0, HEAD_DIM)
     token = m_start + rows // GROUP_PAD  # row = (query token, head within the group)
     heads = kv_head * GROUP + rows % GROUP_PAD
@@ -301,7 +491,7 @@ def _extend_kernel(out_ptr, q_ptr, cache_ptr, table_ptr, seq_lens_ptr, query_sta
                 mask=real[:, None], other=0.0)
     base = cache_ptr + kv_head * HEAD_DIM + dims[None, :]
     table_row = table_ptr + seq.to(tl.int64) * stride_table
-    end = tl.where(m_start < q_len, tl.minimum(seq_len, seq_len - q_len + m_start + BLOCK_M), 0)
+    end = tl.minimum(seq_len, seq_len - q_len + m_start + BLOCK_M)  # the last token's horizon
     m_i = tl.full((BLOCK_M * GROUP_PAD,), -1.0e30, tl.float32)
     l_i = tl.zeros((BLOCK_M * GROUP_PAD,), tl.float32)
     acc = tl.zeros((BLOCK_M * GROUP_PAD, HEAD_DIM), tl.float32)
@@ -317,51 +507,54 @@ def _extend_kernel(out_ptr, q_ptr, cache_ptr, table_ptr, seq_lens_ptr, query_sta
              out.to(out_ptr.dtype.element_ty), mask=real[:, None])
 
 
-def _extend_inputs(query, kv_cache_layer, block_tables, seq_lens, query_start_loc):
-    """Check the extend kernel's inputs; return them on query's device, as the kernel reads them."""
-    check_block_size(kv_cache_layer.shape[2])
-    if kv_cache_layer.stride(-1) != 1:
-        raise ValueError("kv_cache_layer must be contiguous in its last dimension")
-    device = query.device
-    seq_lens = torch.as_tensor(seq_lens, device=device).to(torch.int32)
-    query_start_loc = torch.as_tensor(query_start_loc, device=device).to(torch.int32)
-    block_tables = _last_dim_contiguous(torch.as_tensor(block_tables, device=device))
+def _plan_extend(query, cache, block_tables, seq_lens, query_start_loc, scale, block_m,
+                 tile_size, target):
+    """The output tensor and the launch of one extend: T // BLOCK_M + S query blocks."""
+    num_kv_heads, group, head_dim = _head_geometry(query, cache.shape[-1])
+    group_pad = triton.next_power_of_2(group)
+    picked_m, picked_tile = _extend_tiles(group_pad, head_dim, cache.element_size(),
+                                          target.capability)
+    block_m = _check_tile("block_m", picked_m if block_m is None else block_m,
+                          least=-(-16 // group_pad))  # tl.dot wants >= 16 rows
+    tile = _check_tile("tile_size", picked_tile if tile_size is None else tile_size)
+    query, block_tables = _last_dim_contiguous(query), _last_dim_contiguous(block_tables)
+    seq_lens, query_start_loc = seq_lens.to(torch.int32), query_start_loc.to(torch.int32)
     num_seqs = seq_lens.shape[0]
-    if query_start_loc.shape != (num_seqs + 1,) or block_tables.dim() != 2 \
-            or block_tables.shape[0] != num_seqs:
-        raise ValueError(f"query_start_loc must be [S+1] and block_tables [S, max_blocks] for "
-                         f"S={num_seqs}, got {tuple(query_start_loc.shape)} and "
-                         f"{tuple(block_tables.shape)}")
-    if int(query_start_loc[-1]) != query.shape[0]:
-        raise ValueError(f"query_start_loc must end at the number of query tokens "
-                         f"({query.shape[0]}), got {int(query_start_loc[-1])}")
-    return _last_dim_contiguous(query), block_tables, seq_lens, query_start_loc
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    scale = head_dim ** -0.5 if scale is None else scale
+    return out, Launch(_extend_kernel, (query.shape[0] // block_m + num_seqs, num_kv_heads), (
+        out, query, cache, block_tables, seq_lens, query_start_loc, query.stride(0),
+        query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), cache.stride(0),
+        cache.stride(1), cache.stride(2), scale * LOG2_E, num_seqs), dict(
+        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_SIZE=cache.shape[2],
+        BLOCK_M=block_m, TILE=tile, PRECISION=_dot_precision(cache.dtype), num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES))
 
 
 def extend_attention(query, kv_cache_layer, block_tables, seq_lens, query_start_loc,
-                     scale=None, block_m: int | None = None,
-                     tile_size: int | None = None) -> torch.Tensor:
-    """Causal attention of many query tokens per sequence over a paged context (prefill)."""
-    num_kv_heads, group, head_dim = _head_geometry(query, kv_cache_layer.shape[-1])
-    query, block_tables, seq_lens, query_start_loc = _extend_inputs(
-        query, kv_cache_layer, block_tables, seq_lens, query_start_loc)
-    num_seqs, group_pad = seq_lens.shape[0], triton.next_power_of_2(group)
-    picked_m, picked_tile = _extend_tiles(group_pad, head_dim, kv_cache_layer.element_size())
-    block_m = _check_tile("block_m", picked_m if block_m is None else block_m,
-                          least=-(-16 // group_pad))  # tl.dot wants >= 16 rows
-    tile_size = _check_tile("tile_size", picked_tile if tile_size is None else tile_size)
-    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-    longest_query = int((query_start_loc[1:] - query_start_loc[:-1]).max()) if num_seqs else 0
-    if longest_query == 0:
-        return out
-    _extend_kernel[(num_seqs, num_kv_heads, triton.cdiv(longest_query, block_m))](
-        out, query, kv_cache_layer, block_tables, seq_lens, query_start_loc, query.stride(0),
-        query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        kv_cache_layer.stride(0), kv_cache_layer.stride(1), kv_cache_layer.stride(2),
-        (head_dim ** -0.5 if scale is None else scale) * LOG2_E, GROUP=group,
-        GROUP_PAD=group_pad, HEAD_DIM=head_dim,
-        BLOCK_SIZE=kv_cache_layer.shape[2], BLOCK_M=block_m, TILE=tile_size,
-        PRECISION=_dot_precision(kv_cache_layer.dtype))
+                     scale=None, block_m: int | None = None, tile_size: int | None = None,
+                     validate: bool = True) -> torch.Tensor:
+    """Causal attention of many query tokens per sequence over a paged context (prefill).
+
+    validate=False skips the host check (and its sync), for a caller that checked the step."""
+    num_blocks, block_size = _cache_geometry("kv_cache_layer", kv_cache_layer)
+    check_block_size(block_size)
+    seq_lens = _integer_tensor("seq_lens", seq_lens, query.device)
+    query_start_loc = _integer_tensor("query_start_loc", query_start_loc, query.device)
+    block_tables = _integer_tensor("block_tables", block_tables, query.device)
+    num_seqs = seq_lens.shape[0]
+    if seq_lens.dim() != 1 or query_start_loc.shape != (num_seqs + 1,) \
+            or block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
+        raise ValueError(f"query_start_loc must be [S+1] and block_tables [S, max_blocks] for "
+                         f"S={num_seqs}, got {tuple(query_start_loc.shape)} and "
+                         f"{tuple(block_tables.shape)}")
+    if validate:
+        check_attention_inputs(block_tables, seq_lens, query_start_loc, query.shape[0],
+                               num_blocks, block_size)
+    out, launch = _plan_extend(query, kv_cache_layer, block_tables, seq_lens, query_start_loc,
+                               scale, block_m, tile_size, device_target(query.device))
+    if query.shape[0]:
+        launch.run()
     return out
 
 
@@ -377,21 +570,163 @@ def _resolve(backend: str, tensor: torch.Tensor) -> str:
     return backend
 
 
-def store_kv(key, value, kv_cache_layer, slot_mapping, backend: str = "auto") -> None:
+def store_kv(key, value, kv_cache_layer, slot_mapping, backend: str = "auto",
+             validate: bool = True) -> None:
     """Write new keys and values into the paged cache through slot_mapping (-1 skips a token)."""
     if _resolve(backend, kv_cache_layer) == "torch":
+        if validate:
+            _check_unique_slots(check_store_inputs(key, value, kv_cache_layer, slot_mapping))
         return reference_store_kv(key, value, kv_cache_layer, slot_mapping)
-    return triton_store_kv(key, value, kv_cache_layer, slot_mapping)
+    return triton_store_kv(key, value, kv_cache_layer, slot_mapping, validate)
 
 
 def paged_attention(query, kv_cache_layer, block_tables, seq_lens, query_start_loc, scale=None,
-                    backend: str = "auto") -> torch.Tensor:
-    """Attention of every query token over its sequence's paged context, causal, GQA."""
+                    backend: str = "auto", max_seqlen_q: int | None = None,
+                    max_seqlen_k: int | None = None, validate: bool = True) -> torch.Tensor:
+    """Attention of every query token over its sequence's paged context, causal, GQA.
+
+    With validate=False and both longest lengths given, nothing here waits for the GPU."""
     if _resolve(backend, query) == "torch":
         return reference_paged_attention(query, kv_cache_layer, block_tables, seq_lens,
                                          query_start_loc, scale)
-    query_start_loc = torch.as_tensor(query_start_loc, device=query.device)
-    num_seqs = query_start_loc.shape[0] - 1
-    if query.shape[0] == num_seqs and bool((query_start_loc.diff() == 1).all()):
-        return decode_attention(query, kv_cache_layer, block_tables, seq_lens, scale)
-    return extend_attention(query, kv_cache_layer, block_tables, seq_lens, query_start_loc, scale)
+    query_start_loc = _integer_tensor("query_start_loc", query_start_loc, query.device)
+    if validate:
+        num_blocks, block_size = _cache_geometry("kv_cache_layer", kv_cache_layer)
+        max_seqlen_q, max_seqlen_k = check_attention_inputs(
+            _integer_tensor("block_tables", block_tables, query.device),
+            _integer_tensor("seq_lens", seq_lens, query.device), query_start_loc,
+            query.shape[0], num_blocks, block_size)
+    elif max_seqlen_q is None:
+        max_seqlen_q = int(query_start_loc.diff().max()) if query.shape[0] else 0  # a sync
+    if max_seqlen_q == 1 and query.shape[0] == query_start_loc.shape[0] - 1:
+        return decode_attention(query, kv_cache_layer, block_tables, seq_lens, scale,
+                                max_seqlen_k=max_seqlen_k, validate=False)
+    return extend_attention(query, kv_cache_layer, block_tables, seq_lens, query_start_loc,
+                            scale, validate=False)
+
+
+@dataclass(frozen=True)
+class SMLimits:
+    """What one SM of an architecture shares among its resident programs."""
+
+    registers: int
+    shared_bytes: int  # shared memory for all resident programs together
+    warps: int
+    programs: int
+    reserved_shared: int  # bytes the driver keeps for each program (1 KiB from 8.0)
+
+
+SM_LIMITS = {75: SMLimits(65536, 64 * 1024, 32, 16, 0),  # CUDA guide, compute capabilities
+             80: SMLimits(65536, 164 * 1024, 64, 32, 1024),
+             86: SMLimits(65536, 100 * 1024, 48, 16, 1024),
+             89: SMLimits(65536, 100 * 1024, 48, 24, 1024),
+             90: SMLimits(65536, 228 * 1024, 64, 32, 1024)}
+
+
+def programs_per_sm(capability: int, registers: int, shared_bytes: int, num_warps: int) -> int:
+    """Programs one SM keeps resident: the least of what registers, shared memory, warps allow."""
+    limits = SM_LIMITS[capability]
+    per_warp = -(-registers * 32 // 256) * 256  # registers go to warps 256 at a time
+    by_registers = limits.registers // per_warp // num_warps
+    by_shared = limits.shared_bytes // max(1, shared_bytes + limits.reserved_shared)
+    return min(by_registers, by_shared, limits.warps // num_warps, limits.programs)
+
+
+def _example_launches(target: Target, head_dim: int = 64) -> dict[str, Launch]:
+    """The wrappers' launches for Qwen2.5-0.5B's heads (2 KV heads, groups of 7) in fp16."""
+    seqs, context, block_size, width = 8, 2048, 16, 2 * head_dim
+    cache = torch.empty(seqs * context // block_size, 2, block_size, width, dtype=torch.float16)
+    tables = torch.arange(cache.shape[0], dtype=torch.int32).reshape(seqs, -1)
+    seq_lens = torch.full((seqs,), context, dtype=torch.int32)
+    query = torch.empty(seqs, 14, head_dim, dtype=torch.float16)
+    plan = lambda lookup, splits: _plan_decode(query, cache, tables, seq_lens, None, True,
+                                               lookup == "tile", None, splits, context, target)
+    _, (decode, merge) = plan("position", None)  # batch 8: split to fill the SMs
+    launches = {"decode": decode, "decode, one split": plan("position", 1)[1][0],
+                "decode, per-tile lookup": plan("tile", None)[1][0]}
+    launches["merge of splits"] = merge
+    tokens = torch.empty(4 * 16, 14, head_dim, dtype=torch.float16)
+    starts = torch.arange(0, 65, 16, dtype=torch.int32)
+    launches["extend"] = _plan_extend(tokens, cache, tables[:4], seq_lens[:4], starts, None,
+                                      None, None, target)[1]
+    key = torch.empty(64, 2, head_dim, dtype=torch.float16)
+    launches["store"] = _plan_store(key, key, cache, torch.arange(64))
+    return launches
+
+
+def _tool(name: str, *args: str) -> str:
+    """The output of one of the CUDA tools that ship inside Triton (cuobjdump)."""
+    path = getattr(triton.knobs.nvidia, name).path
+    return subprocess.run([path, *args], capture_output=True, text=True, check=True).stdout
+
+
+def compile_launch(launch: Launch, capability: int) -> dict:
+    """Compile a launch for a GPU of this capability, as the JIT would, and read its needs."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    target = GPUTarget("cuda", capability, 32)
+    backend, kernel = make_backend(target), launch.kernel
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound, specialization, options = binder(*launch.args, **launch.constants)
+    options, signature, constants, attrs = kernel._pack_args(  # the JIT's own step
+        backend, launch.constants, bound, specialization, options)
+    compiled = triton.compile(ASTSource(kernel, signature, constants, attrs), target=target,
+                              options=options.__dict__)
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        usage = _tool("cuobjdump", "--dump-resource-usage", cubin.name)
+        sass = _tool("cuobjdump", "--dump-sass", cubin.name)
+    registers, stack = (int(re.search(rf"{key}:(\d+)", usage)[1]) for key in ("REG", "STACK"))
+    shared, warps = compiled.metadata.shared, compiled.metadata.num_warps
+    return {"registers": registers, "spill stack (B)": stack, "shared (KiB)": shared / 1024,
+            "programs / SM": programs_per_sm(capability, registers, shared, warps),
+            "instructions": len(re.findall(r"/\*[0-9a-f]{4}\*/", sass))}
+
+
+GPU_NAMES = {75: "T4 (7.5)", 80: "A100 (8.0)"}
+GPU_SMS = {75: 40, 80: 108}
+
+
+def _compile_rows(capabilities, head_dims) -> list[dict]:
+    """Every example launch compiled for every capability (run with the interpreter off)."""
+    looping = ("decode, one split", "extend")  # the kernels whose loop the tiles shape
+    rows = []
+    for capability, head_dim in ((c, d) for c in capabilities for d in head_dims):
+        if capability >= 80 and head_dim != head_dims[0]:
+            continue  # other head sizes: on the T4 only, where registers are tight
+        launches = _example_launches(Target(capability, GPU_SMS[capability]), head_dim)
+        if head_dim != head_dims[0]:
+            launches = {name: launches[name] for name in looping}
+        elif capability < 80:  # and what the T4 did with Ampere's tiles, or other prefetch
+            ampere = _example_launches(Target(80, GPU_SMS[capability]), head_dim)
+            launches |= {f"{name}, Ampere's tiles": ampere[name] for name in looping}
+            for name in ("decode", "decode, one split"):
+                launch = launches[name]
+                prefetch = not launch.constants["PREFETCH"]
+                launches[f"{name}, prefetch {'on' if prefetch else 'off'}"] = Launch(
+                    launch.kernel, launch.grid, launch.args,
+                    launch.constants | {"PREFETCH": prefetch})
+        else:
+            del launches["decode, per-tile lookup"]  # compared on the T4
+        for name, launch in launches.items():
+            sizes = {k: v for k, v in launch.constants.items()
+                     if k in ("BLOCK_M", "TILE", "NUM_SPLITS", "PREFETCH")}
+            rows.append({"kernel": name, "GPU": GPU_NAMES[capability], "head dim": head_dim,
+                         "tiles": " ".join(f"{k}={v}" for k, v in sizes.items()) or "—"}
+                        | compile_launch(launch, capability))
+    return rows
+
+
+def compile_report(capabilities=(75, 80), head_dims=(64, 128)) -> list[dict]:
+    """Compile the kernels as the wrappers launch them, for GPUs that need not be here."""
+    code = (f"import json; from minipaged.kernels import _compile_rows; "
+            f"print(json.dumps(_compile_rows({tuple(capabilities)}, {tuple(head_dims)})))")
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=900)
+    if run.returncode:
+        raise RuntimeError(f"compiling for {capabilities} failed:\n{run.stderr[-3000:]}")
+    return json.loads(run.stdout.splitlines()[-1])

@@ -142,6 +142,13 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [S + 1] where each sequence's tokens start in the batch
     block_size: int  # tokens per block, which the slots above were computed with
     logits_indices: torch.Tensor | None = None  # [S] tokens that need logits; None = every one
+    max_seqlen_q: int | None = None  # longest query and longest context, counted on the host
+    max_seqlen_k: int | None = None  # so that no layer reads them back from the GPU
+
+    @property
+    def is_decode(self) -> bool:
+        """Every sequence brings exactly one token (known without reading a GPU tensor)."""
+        return self.max_seqlen_q == 1 and self.num_tokens == self.num_seqs
 
     @property
     def num_tokens(self) -> int:
@@ -191,10 +198,13 @@ def prepare_metadata(block_tables: Sequence[Sequence[int]], num_computed_tokens:
     positions = torch.arange(int(counts.sum())) + start[seq_index]
     blocks = tables[seq_index, positions // block_size].long()  # never a pad: checked above
     slots = blocks * block_size + positions % block_size
+    if slots.unique().numel() != slots.numel():  # on a GPU two stores to one slot would race
+        raise ValueError("block_tables give two of this step's tokens the same cache slot")
     logits = None if logits_at_every_token else query_start_loc[1:] - 1
     move = lambda t: None if t is None else t.to(device)
     return AttentionMetadata(move(positions), move(slots), move(tables), move(seq_lens),
-                             move(query_start_loc), block_size, move(logits))
+                             move(query_start_loc), block_size, move(logits),
+                             max_seqlen_q=int(counts.max()), max_seqlen_k=int(seq_lens.max()))
 
 
 class RMSNorm(nn.Module):
@@ -256,10 +266,14 @@ class Qwen2Attention(nn.Module):
         q = apply_rotary(q.reshape(-1, self.num_heads, self.head_dim), cos, sin)
         k = apply_rotary(k.reshape(-1, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim).contiguous()
-        store_kv(k, v, kv_cache_layer, metadata.slot_mapping, backend=self.attention_backend)
+        # Qwen2ForCausalLM checked the step's metadata once; the layers need not check again.
+        checked = metadata.max_seqlen_q is not None and metadata.max_seqlen_k is not None
+        store_kv(k, v, kv_cache_layer, metadata.slot_mapping, backend=self.attention_backend,
+                 validate=not checked)
         out = paged_attention(q, kv_cache_layer, metadata.block_tables, metadata.seq_lens,
                               metadata.query_start_loc, scale=self.scaling,
-                              backend=self.attention_backend)
+                              backend=self.attention_backend, max_seqlen_q=metadata.max_seqlen_q,
+                              max_seqlen_k=metadata.max_seqlen_k, validate=not checked)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
@@ -339,7 +353,8 @@ def _check_metadata(metadata: AttentionMetadata, num_tokens: int, kv_cache: KVCa
     device, block_size = kv_cache.layers[0].device, kv_cache.block_size
     for f in fields(metadata):
         value = getattr(metadata, f.name)
-        if f.name == "block_size" or (f.name == "logits_indices" and value is None):
+        if f.name in ("block_size", "max_seqlen_q", "max_seqlen_k") \
+                or (f.name == "logits_indices" and value is None):
             continue
         if not isinstance(value, torch.Tensor) or value.is_floating_point() \
                 or value.is_complex() or value.dtype == torch.bool or value.device != device:
@@ -361,6 +376,11 @@ def _check_metadata(metadata: AttentionMetadata, num_tokens: int, kv_cache: KVCa
         raise ValueError(f"metadata.query_start_loc must rise from 0 to T={num_tokens}")
     if bool((seq_lens < query_lens).any()):
         raise ValueError("metadata.seq_lens must be at least each sequence's query tokens")
+    for name, lengths in (("max_seqlen_q", query_lens), ("max_seqlen_k", seq_lens)):
+        longest = int(lengths.max()) if num_seqs else 0  # the layers trust these: check them
+        if getattr(metadata, name) not in (None, longest):
+            raise ValueError(f"metadata.{name} is {getattr(metadata, name)}, the tensors say "
+                             f"{longest}")
 
 
 def _check_metadata_places(metadata: AttentionMetadata, num_tokens: int, kv_cache: KVCache
@@ -388,6 +408,9 @@ def _check_metadata_places(metadata: AttentionMetadata, num_tokens: int, kv_cach
     if bool(((written != slots) & (written != -1)).any()):
         raise ValueError("metadata.slot_mapping must name the slot block_tables give each "
                          "token's position (or -1)")
+    kept = written[written >= 0]
+    if kept.unique().numel() != kept.numel():  # two stores to one slot race on a GPU
+        raise ValueError("metadata.slot_mapping names one cache slot for two tokens")
     indices = metadata.logits_indices
     if indices is not None and (indices.dim() != 1 or bool(((indices < 0)
                                                             | (indices >= num_tokens)).any())):
