@@ -11,17 +11,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import minipaged.model
+from minipaged.huggingface import load_model, save_pretrained, to_transformers
 from minipaged.kernels import paged_attention
 from minipaged.kv_cache import KVCache, reference_paged_attention
 from minipaged.model import (
     AttentionMetadata,
     ModelConfig,
     Qwen2ForCausalLM,
-    load_model,
     prepare_metadata,
     random_model,
-    save_pretrained,
-    to_transformers,
 )
 
 transformers = pytest.importorskip("transformers")
