@@ -1,5 +1,6 @@
 """The chapters are the package's only source: the sync check must catch any drift, point at
 the chapter line to edit, and tangle must never silently drop an edit made to a generated file."""
+import importlib.util
 import json
 import re
 import shutil
@@ -271,3 +272,35 @@ def test_a_prose_edit_runs_only_its_own_chapter(tmp_path):
     chapter.write_text(TINY_CHAPTER.replace("# A tiny chapter", "# A very small chapter"))
     assert tangle(repo).returncode == 0
     assert tangle(repo, "--changed-since", "main").stdout.split() == ["chapters/01_tiny.ipynb"]
+
+
+def tangle_module():
+    """tools/tangle.py, imported: its collect() reads the chapters' export directives."""
+    spec = importlib.util.spec_from_file_location("tangle", ROOT / "tools" / "tangle.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["tangle"] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_readme_table_says_which_chapter_writes_each_module():
+    tangle_tool = tangle_module()
+    modules = tangle_tool.collect(tangle_tool.chapter_files())
+    written = {}
+    for module in modules.values():
+        written.setdefault(module.chapter, set()).add(module.name)
+    readme = (ROOT / "README.md").read_text()
+    rows = re.findall(r"^\| `(chapters/\d\d_\w+\.md)` \| ([^|]+) \|", readme, re.M)
+    table = {chapter: set(re.findall(r"`minipaged/(\w+)\.py`", cell)) for chapter, cell in rows}
+    assert table == written
+
+
+def test_the_repository_docs_stand_on_their_own():
+    docs = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *(ROOT / "book").glob("*.md")]
+    for doc in docs:
+        text = doc.read_text()
+        assert "../shared" not in text and "BOOK_PLAN" not in text and "STYLE.md" not in text, doc
+    contributing = (ROOT / "CONTRIBUTING.md").read_text()
+    for rule in ("glue", "runtime.pick", "add_to_class", "check_integer", "14.6 GiB",
+                 "make check-chapters", "Where this lives in vLLM"):
+        assert rule in contributing, rule
