@@ -122,8 +122,8 @@ def test_check_prints_the_diff_and_the_chapter_line_of_the_edited_block(tmp_path
     chapter_line = line_of(repo / "chapters" / "01_kv_memory.md", target)
     assert "minipaged/memory.py was edited by hand" in result.stderr
     assert f"chapters/01_kv_memory.md:{chapter_line}" in result.stderr
-    assert "-" + target.replace("2 *", "3 *") in result.stderr.splitlines()
-    assert "+" + target in result.stderr.splitlines()
+    assert "+" + target.replace("2 *", "3 *") in result.stderr.splitlines()  # the edit to move
+    assert "-" + target in result.stderr.splitlines()
 
 
 def test_tangle_refuses_to_overwrite_a_hand_edited_module_and_says_where_to_move_it(tmp_path):
@@ -143,6 +143,17 @@ def test_tangle_refuses_to_overwrite_a_hand_edited_module_and_says_where_to_move
     assert tangle(repo, "--force").returncode == 0  # the way to discard it on purpose
     assert "HAND EDIT" not in blocks.read_text() and "EXTRA = 1" in blocks.read_text()
     assert check(repo).returncode == 0
+
+
+def test_a_merge_conflict_in_a_generated_module_is_resolved_by_tangle(tmp_path):
+    repo = copy_of_repo(tmp_path)
+    blocks = repo / "minipaged" / "blocks.py"
+    fresh = blocks.read_text()
+    line = "from __future__ import annotations\n"
+    conflict = f"<<<<<<< HEAD\n{line}=======\n{line[:-1]}  # theirs\n>>>>>>> other\n"
+    blocks.write_text(fresh.replace(line, conflict))
+    assert tangle(repo).returncode == 0
+    assert blocks.read_text() == fresh
 
 
 def test_tangle_refuses_to_delete_a_module_no_chapter_wrote(tmp_path):
