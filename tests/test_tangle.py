@@ -156,6 +156,18 @@ def test_a_merge_conflict_in_a_generated_module_is_resolved_by_tangle(tmp_path):
     assert blocks.read_text() == fresh
 
 
+def test_a_merge_that_only_moved_markers_is_not_taken_for_a_hand_edit(tmp_path):
+    repo = copy_of_repo(tmp_path)
+    blocks = repo / "minipaged" / "blocks.py"
+    fresh = blocks.read_text()
+    moved = re.sub(r"^(# chapters/03_block_pool\.md:)(\d+)$",
+                   lambda m: f"{m.group(1)}{int(m.group(2)) + 7}", fresh, flags=re.M)
+    blocks.write_text(moved)  # as git leaves it when two branches shifted the chapter's lines
+    result = tangle(repo)
+    assert result.returncode == 0, result.stderr
+    assert blocks.read_text() == fresh
+
+
 def test_tangle_refuses_to_delete_a_module_no_chapter_wrote(tmp_path):
     repo = copy_of_repo(tmp_path)
     handmade = repo / "minipaged" / "handmade.py"
