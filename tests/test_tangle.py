@@ -292,7 +292,8 @@ def test_a_prose_edit_runs_only_its_own_chapter(tmp_path):
     repo = tiny_book(tmp_path, {"01_tiny.md": TINY_CHAPTER,
                                 "02_other.md": OTHER_CHAPTER + "\nUses minipaged.tiny.\n"})
     chapter = repo / "chapters" / "01_tiny.md"
-    chapter.write_text(TINY_CHAPTER.replace("# A tiny chapter", "# A very small chapter"))
+    prose = "# A very small chapter\n\nIt has more to say\nthan before, over three lines."
+    chapter.write_text(TINY_CHAPTER.replace("# A tiny chapter", prose))  # the markers move
     assert tangle(repo).returncode == 0
     assert tangle(repo, "--changed-since", "main").stdout.split() == ["chapters/01_tiny.ipynb"]
 

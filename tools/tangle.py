@@ -363,9 +363,15 @@ def changed_since(base: str) -> list[Path]:
     owner = {f"minipaged/{m.name}.py": m.chapter for m in modules.values()}
     touched = {rel(c) for c in chapters if rel(c) in changed}
     touched |= {owner[path] for path in changed if path in owner}
-    # A module whose generated code changed (not merely its chapter's prose) also sends every
-    # chapter that imports it.
-    changed_modules = {path[len("minipaged/"):-3] for path in changed if path in owner}
+    # A module whose code changed also sends every chapter that imports it; markers that moved
+    # because prose was added above a cell are not a change of code.
+    def code_changed(path: str) -> bool:
+        before = subprocess.run(["git", "-C", str(ROOT), "show", f"{merge_base}:{path}"],
+                                capture_output=True, text=True).stdout
+        return code_only(before) != code_only((ROOT / path).read_text())
+
+    changed_modules = {path[len("minipaged/"):-3] for path in changed
+                       if path in owner and (ROOT / path).exists() and code_changed(path)}
     uses = re.compile(r"\bminipaged\.(" + "|".join(sorted(changed_modules)) + r")\b")
     selected = [c for c in chapters
                 if rel(c) in touched or (changed_modules and uses.search(c.read_text()))]
