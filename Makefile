@@ -3,6 +3,8 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# The branch `make check` compares with to pick the chapters to run.
+BASE ?= main
 # Triton kernels run under its interpreter on machines without a GPU.
 export TRITON_INTERPRET ?= 1
 export PYTHONHASHSEED ?= 0
@@ -10,7 +12,7 @@ export PYTHONHASHSEED ?= 0
 # so `make test` followed by `make book` executes every chapter once.
 export MINIPAGED_SHARE_EXECUTION ?= 1
 
-.PHONY: venv book test check tangle lint bench gpu-check gpu-check-dry clean
+.PHONY: venv book test check check-chapters tangle lint bench gpu-check gpu-check-dry clean
 
 venv: $(STAMP)
 $(STAMP): requirements.txt pyproject.toml
@@ -28,11 +30,22 @@ test: $(STAMP)
 	$(BIN)/python tools/tangle.py --check
 	$(BIN)/python -m pytest tests chapters --nbval-lax -m "not slow" -q
 
-## Fast checks (under a minute): package and twins in sync, lint, the quick unit tests.
+## The loop after each edit: package and twins in sync, lint, the quick unit tests, then every
+## chapter changed since $(BASE) under nbval (see check-chapters).
 check: $(STAMP)
 	$(BIN)/python tools/tangle.py --check
 	$(BIN)/ruff check minipaged tests tools bench
 	$(BIN)/python -m pytest tests -m "not slow and not heavy" -q -x
+	$(MAKE) --no-print-directory check-chapters
+
+## Run under nbval every chapter whose source or modules changed since the merge base with
+## $(BASE) (committed or not), and every chapter that imports one of those modules.
+check-chapters: $(STAMP)
+	$(BIN)/python tools/tangle.py --check
+	@chapters="$$($(BIN)/python tools/tangle.py --changed-since $(BASE))"; \
+	if [ -z "$$chapters" ]; then echo "check-chapters: no chapter changed since $(BASE)"; \
+	else echo "check-chapters: $$chapters"; \
+	$(BIN)/python -m pytest $$chapters --nbval-lax -q; fi
 
 ## Regenerate minipaged/*.py and the chapters' .ipynb twins from the chapters.
 tangle: $(STAMP)

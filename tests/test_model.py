@@ -12,17 +12,15 @@ from hypothesis import strategies as st
 
 import minipaged.kernels
 import minipaged.model
+from minipaged.huggingface import load_model, save_pretrained, to_transformers
 from minipaged.kernels import paged_attention
 from minipaged.kv_cache import KVCache, reference_paged_attention
 from minipaged.model import (
     AttentionMetadata,
     ModelConfig,
     Qwen2ForCausalLM,
-    load_model,
     prepare_metadata,
     random_model,
-    save_pretrained,
-    to_transformers,
 )
 
 transformers = pytest.importorskip("transformers")
