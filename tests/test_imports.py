@@ -116,7 +116,7 @@ def test_checks_and_hugging_face_code_have_modules_of_their_own():
 
 # Chapters 7 and 8 still attach methods as `Cls.method = _function`; they convert to
 # add_to_class next, and then leave this set.
-NOT_YET_CONVERTED = {"engine", "scheduler", "prefix_cache"}
+NOT_YET_CONVERTED = {"engine", "scheduler"}
 
 
 def test_methods_are_attached_under_their_own_names():
