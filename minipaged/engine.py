@@ -82,11 +82,19 @@ def _check_prompt(self: LLMEngine, prompt_token_ids) -> list[int]:
     return tokens
 
 
+def check_cache_salt(cache_salt) -> str | None:
+    """Return the salt, or raise ValueError: a salt is None or a non-empty string (chapter 9)."""
+    if cache_salt is not None and not (isinstance(cache_salt, str) and cache_salt):
+        raise ValueError(f"cache_salt must be a non-empty string or None, got {cache_salt!r}")
+    return cache_salt
+
+
 def _add_request(self: LLMEngine, request_id: str, prompt_token_ids: list[int],
-                sampling_params: SamplingParams) -> Request:
+                sampling_params: SamplingParams, cache_salt: str | None = None) -> Request:
     """Check a prompt and queue it; a refused prompt leaves the engine as it was."""
     if not isinstance(sampling_params, SamplingParams):
         raise ValueError(f"sampling_params must be a SamplingParams, got {sampling_params!r}")
+    check_cache_salt(cache_salt)
     if request_id in self.requests:
         raise ValueError(f"request_id {request_id!r} is already in the engine")
     tokens = self.check_prompt(prompt_token_ids)
@@ -97,7 +105,8 @@ def _add_request(self: LLMEngine, request_id: str, prompt_token_ids: list[int],
         digest = hashlib.sha256(f"{self.seed}:{request_id}".encode()).digest()
         seed = int.from_bytes(digest[:8], "little") % 2**63 if seed is None else seed
         generator = torch.Generator(device=self.device).manual_seed(seed)
-    request = Request(request_id, tokens, sampling_params, self.config.eos_token_id, generator)
+    request = Request(request_id, tokens, sampling_params, self.config.eos_token_id, generator,
+                      cache_salt=cache_salt)
     self.requests[request_id] = request
     self.scheduler.add_request(request)
     return request
@@ -292,17 +301,25 @@ class LLM:
         return self.llm_engine.reset_prefix_cache()
 
 
-def _prompt_tokens(self: LLM, index: int, prompt) -> tuple[str | None, list[int]]:
-    """Token ids of one prompt: a string (needs a tokenizer) or a prompt_token_ids dict."""
-    if isinstance(prompt, str):
-        if self.tokenizer is None:
-            raise ValueError(f"prompts[{index}] is a string, but this model has no tokenizer: "
-                             "pass {'prompt_token_ids': [...]} instead")
-        return prompt, self.tokenizer.encode(prompt)
-    if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-        return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-    raise ValueError(f"prompts[{index}] must be a string or a dict with prompt_token_ids, "
-                     f"got {type(prompt).__name__}")
+def _prompt_tokens(self: LLM, index: int, prompt) -> tuple[str | None, list[int], str | None]:
+    """Text, token ids and cache_salt of one prompt: a string, or a dict holding
+    prompt_token_ids or prompt (text, needs a tokenizer), and optionally cache_salt."""
+    prompt = {"prompt": prompt} if isinstance(prompt, str) else prompt
+    if not (isinstance(prompt, dict) and ("prompt_token_ids" in prompt or "prompt" in prompt)):
+        raise ValueError(f"prompts[{index}] must be a string or a dict with prompt_token_ids "
+                         f"or prompt, got {type(prompt).__name__}")
+    try:
+        salt = check_cache_salt(prompt.get("cache_salt"))
+    except ValueError as error:
+        raise ValueError(f"prompts[{index}]: {error}") from None
+    if "prompt_token_ids" in prompt:
+        return prompt.get("prompt"), list(prompt["prompt_token_ids"]), salt
+    if not isinstance(prompt["prompt"], str):
+        raise ValueError(f"prompts[{index}]: prompt must be a string, got {prompt['prompt']!r}")
+    if self.tokenizer is None:
+        raise ValueError(f"prompts[{index}] is a string, but this model has no tokenizer: "
+                         "pass {'prompt_token_ids': [...]} instead")
+    return prompt["prompt"], self.tokenizer.encode(prompt["prompt"]), salt
 
 
 def _queue_prompts(self: LLM, prompts, sampling_params) -> list[Request]:
@@ -315,16 +332,16 @@ def _queue_prompts(self: LLM, prompts, sampling_params) -> list[Request]:
                          f"{len(prompts)} prompts")
     checked = []
     for index, (prompt, params) in enumerate(zip(prompts, sampling_params)):
-        text, tokens = self._prompt_tokens(index, prompt)
+        text, tokens, salt = self._prompt_tokens(index, prompt)
         try:
-            checked.append((text, self.llm_engine.check_prompt(tokens), params))
+            checked.append((text, self.llm_engine.check_prompt(tokens), params, salt))
         except ValueError as error:
             raise ValueError(f"prompts[{index}]: {error}") from None
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params[{index}] must be a SamplingParams")
     requests = []
-    for text, tokens, params in checked:
-        request = self.llm_engine.add_request(str(self._next_id), tokens, params)
+    for text, tokens, params, salt in checked:
+        request = self.llm_engine.add_request(str(self._next_id), tokens, params, salt)
         request.prompt, self._next_id = text, self._next_id + 1
         requests.append(request)
     return requests
