@@ -140,12 +140,17 @@ def prefix_guess_probes(llm: LLM, secret: Sequence[int], rng: np.random.Generato
                         victim_salt: str | None = None, attacker_salt: str | None = None,
                         clock: Callable[[], float] = time.process_time
                         ) -> list[tuple[int, int, float]]:
-    """The victim sends secret; the attacker probes its first n tokens plus one of its own, for
-    n = 1..len(secret): (n, num_cached_tokens, seconds) per probe."""
+    """For n = 1..len(secret), on an emptied cache, the victim sends secret and the attacker
+    probes its first n tokens plus one of its own: (n, num_cached_tokens, seconds) per probe.
+
+    Emptying the cache each time keeps the attacker from finding its own earlier probes."""
     vocab = llm.llm_engine.config.vocab_size
-    timed_first_token(llm, list(secret) + rng.integers(0, vocab, 8).tolist(), victim_salt, clock)
     rows = []
     for n in range(1, len(secret) + 1):
+        if not llm.reset_prefix_cache():
+            raise ValueError("the engine must be idle: reset_prefix_cache was refused")
+        timed_first_token(llm, list(secret) + rng.integers(0, vocab, 8).tolist(), victim_salt,
+                          clock)
         probe = list(secret[:n]) + [int(rng.integers(vocab))]
         seconds, output = timed_first_token(llm, probe, attacker_salt, clock)
         rows.append((n, output.num_cached_tokens, seconds))
