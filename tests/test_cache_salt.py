@@ -67,12 +67,20 @@ prompt = st.tuples(st.sampled_from(range(len(PREFIXES))), st.lists(st.integers(0
 salts = st.sampled_from([None, "a", "b", "c"])
 
 
-@given(st.lists(st.tuples(prompt, salts, st.booleans()), min_size=1, max_size=25))
+PUBLIC = PREFIXES[0][:2 * B]  # registered public prefix: the first two blocks of PREFIXES[0]
+PUBLIC_HASHES = set(salted_block_hashes(PUBLIC, B))
+
+
+@pytest.mark.parametrize("public", [False, True])
+@given(steps=st.lists(st.tuples(prompt, salts, st.booleans()), min_size=1, max_size=25))
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-def test_different_salts_never_share_a_block(steps):
+def test_different_salts_never_share_a_block(public, steps):
     # Requests share prefixes often (three prefixes with common openings); some are held while
-    # others arrive, some freed at once. At no moment is a block held by requests of two salts.
-    manager = PrefixCachingKVCacheManager(PrefixCachingBlockPool(400, B))
+    # others arrive, some freed at once. At no moment is a block held by requests of two salts,
+    # except, under the public-prefix manager, a block of the registered public prefix.
+    pool = PrefixCachingBlockPool(400, B)
+    manager = (PublicPrefixKVCacheManager(pool, public_prefix=PUBLIC) if public
+               else PrefixCachingKVCacheManager(pool))
     held: dict[str, Request] = {}
     for index, ((which, tail), salt, keep) in enumerate(steps):
         request = Request(str(index), PREFIXES[which] + tail, SamplingParams(), cache_salt=salt)
@@ -83,7 +91,8 @@ def test_different_salts_never_share_a_block(steps):
         for other in held.values():
             for block in manager.get_block_table(other).blocks:
                 salts_of_block.setdefault(block.block_id, set()).add(other.cache_salt)
-        assert all(len(s) == 1 for s in salts_of_block.values())
+        shared = [i for i, s in salts_of_block.items() if len(s) > 1]
+        assert all(public and pool.blocks[i].block_hash in PUBLIC_HASHES for i in shared)
         if not keep:
             manager.free(held.pop(request.request_id))
 
