@@ -159,14 +159,15 @@ def prefix_guess_probes(llm: LLM, secret: Sequence[int], rng: np.random.Generato
 
 def replay(manager: KVCacheManager, prompts: Sequence[tuple[Sequence[int], str | None]]
            ) -> dict[str, int]:
-    """Admit each (token ids, salt) prompt alone, in order, and free it: the prompt tokens asked
-    for, found in the cache and computed."""
+    """Admit each (token ids, salt) prompt alone, in order, mark its prompt computed (as the
+    engine does once the model ran) and free it: the prompt tokens asked for, found, computed."""
     queries = hits = 0
     for index, (token_ids, salt) in enumerate(prompts):
         request = Request(f"replay-{index}", list(token_ids), FIRST_TOKEN, cache_salt=salt)
         blocks, num_hits = manager.get_computed_blocks(request)
         if not manager.allocate_slots(request, request.num_tokens - num_hits, blocks):
             raise ValueError(f"prompts[{index}] does not fit in the pool: give it more blocks")
+        request.num_computed_tokens = request.num_tokens
         manager.free(request)
         queries, hits = queries + request.num_tokens, hits + num_hits
     return dict(requests=len(prompts), queries=queries, hits=hits, computed=queries - hits)
