@@ -4,7 +4,7 @@
 """The block pool and the per-sequence block table: who holds which block of the KV cache."""
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from minipaged.memory import check_integer
@@ -23,6 +23,7 @@ class KVCacheBlock:
     block_hash: bytes | None = None  # for prefix caching (a later chapter, planned)
     prev_free_block: KVCacheBlock | None = field(default=None, repr=False)
     next_free_block: KVCacheBlock | None = field(default=None, repr=False)
+    free_queue: FreeKVCacheBlockQueue | None = field(default=None, repr=False)  # the one it is in
 
 
 class FreeKVCacheBlockQueue:
@@ -48,21 +49,24 @@ class FreeKVCacheBlockQueue:
 
     def remove(self, block: KVCacheBlock) -> None:
         """Unlink a block from anywhere in the queue (a cache hit on a free block)."""
+        if getattr(block, "free_queue", None) is not self:  # another queue's, or in none
+            raise ValueError(f"block: {block!r} is not in this free queue")
         before, after = block.prev_free_block, block.next_free_block
-        if before is None or after is None:
-            raise ValueError(f"block {block.block_id} is not in the free queue")
         before.next_free_block, after.prev_free_block = after, before
-        block.prev_free_block = block.next_free_block = None
+        block.prev_free_block = block.next_free_block = block.free_queue = None
         self.num_free_blocks -= 1
 
     def append(self, block: KVCacheBlock) -> None:
         """Put a block at the tail of the queue."""
-        if block.prev_free_block is not None or block.next_free_block is not None:
-            raise ValueError(f"block {block.block_id} is already in the free queue")
+        if not isinstance(block, KVCacheBlock) or block.block_id < 0:  # not a sentinel either
+            raise ValueError(f"block: {block!r} is not a block")
+        if block.free_queue is not None:
+            raise ValueError(f"block: block {block.block_id} is already in a free queue")
         tail = self.fake_free_list_tail
         last = tail.prev_free_block
         last.next_free_block, block.prev_free_block = block, last
         block.next_free_block, tail.prev_free_block = tail, block
+        block.free_queue = self
         self.num_free_blocks += 1
 
     def __len__(self) -> int:
@@ -205,3 +209,43 @@ class BlockTable:
         """Give every block back, last block first, and empty the table."""
         self.pool.free(reversed(self.blocks))
         self.blocks = []
+
+
+def bad_input_catalogue() -> list[tuple[str, str, Callable[[], object]]]:
+    """Mistakes the pool, the queue and the tables refuse: (the call, the field its error
+    names, the call itself on fresh objects)."""
+    def pool_and_block(pool_size: int = 4) -> tuple[BlockPool, KVCacheBlock]:
+        pool = BlockPool(num_blocks=pool_size, block_size=8)
+        return pool, pool.allocate(1)[0]
+
+    def held_by(pool_size: int = 4) -> BlockTable:
+        table = BlockTable(BlockPool(num_blocks=pool_size, block_size=8))
+        table.ensure_capacity(8)
+        return table
+
+    return [
+        ("BlockPool(num_blocks=4, block_size=12)", "block_size", lambda: BlockPool(4, 12)),
+        ("BlockPool(num_blocks=0, block_size=16)", "num_blocks", lambda: BlockPool(0, 16)),
+        ("BlockPool(num_blocks=True, block_size=16)", "num_blocks", lambda: BlockPool(True, 16)),
+        ("pool.allocate(-1)", "n", lambda: pool_and_block()[0].allocate(-1)),
+        ("pool.allocate(1.0)", "n", lambda: pool_and_block()[0].allocate(1.0)),
+        ("table.ensure_capacity(5 * 8) on a 4-block pool", "num_tokens",
+         lambda: held_by().ensure_capacity(5 * 8)),
+        ("table.slot(1.5)", "position", lambda: held_by().slot(1.5)),
+        ("table.slot(8) past a one-block table", "position", lambda: held_by().slot(8)),
+        ("table.slot_mapping(4, 2)", "start", lambda: held_by().slot_mapping(4, 2)),
+        ("pool.free([block, block]) of a block held once", "blocks",
+         lambda: (lambda pool, block: pool.free([block, block]))(*pool_and_block())),
+        ("pool.free([block]) of another pool's block", "blocks",
+         lambda: pool_and_block()[0].free([pool_and_block()[1]])),
+        ("pool.incref([queue sentinel])", "blocks",
+         lambda: (lambda pool: pool.incref([pool.free_block_queue.fake_free_list_head]))(
+             BlockPool(2, 8))),
+        ("queue.remove(block) of another queue's block", "block",
+         lambda: FreeKVCacheBlockQueue([KVCacheBlock(0)]).remove(
+             next(iter(FreeKVCacheBlockQueue([KVCacheBlock(0)]))))),
+        ("queue.append(block) of a block already queued", "block",
+         lambda: (lambda queue: queue.append(next(iter(queue))))(
+             FreeKVCacheBlockQueue([KVCacheBlock(0)]))),
+        ("queue.append(7)", "block", lambda: FreeKVCacheBlockQueue([]).append(7)),
+    ]

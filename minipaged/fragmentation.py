@@ -7,6 +7,7 @@ from __future__ import annotations
 import heapq
 import math
 from bisect import bisect_left, insort
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -17,6 +18,7 @@ from minipaged.memory import check_integer, check_number
 SEED_NUM_BLOCKS = 58_064  # blocks of 16 tokens the seed's engine allotted itself at 85%
 SEED_BLOCK_SIZE = 16
 SEED_POOL_TOKENS = SEED_NUM_BLOCKS * SEED_BLOCK_SIZE
+MAX_EXACT_FIT_TOKENS = 2**26  # a 1 GiB search tree; the seed's pool is about 0.9 million tokens
 MAX_MODEL_LEN = 2_048  # the longest sequence (prompt plus answer) the server accepts
 
 
@@ -24,6 +26,7 @@ def sample_total_lengths(num: int, seed: int = 0, median: float = 180.0, mean: f
                          cap: int = 2048) -> np.ndarray:
     """Total lengths (prompt plus answer) drawn from a lognormal, rounded, clipped to [1, cap]."""
     num, cap = check_integer("num", num, 0), check_integer("cap", cap, 1)
+    seed = check_integer("seed", seed, 0)
     median, mean = check_number("median", median), check_number("mean", mean)
     if median > mean:
         raise ValueError(f"median ({median}) must not exceed mean ({mean}) for a lognormal")
@@ -42,7 +45,11 @@ class Workload:
     decode_rate: float  # answer tokens each running sequence writes per second
 
     def __post_init__(self) -> None:
-        arrivals = np.asarray(self.arrival_times, dtype=np.float64)
+        arrivals = np.asarray(self.arrival_times)
+        if arrivals.dtype.kind not in "iuf":  # not strings, booleans or a mix of types
+            raise ValueError(f"arrival_times must be numbers of seconds, got {arrivals.dtype} "
+                             f"values such as {arrivals.ravel()[:1].tolist()}")
+        arrivals = arrivals.astype(np.float64)
         if arrivals.ndim != 1 or len(arrivals) == 0:
             raise ValueError(f"arrival_times must be a non-empty 1-D array, got {arrivals.shape}")
         if not np.all(np.isfinite(arrivals)) or np.any(np.diff(arrivals) < 0):
@@ -78,15 +85,29 @@ class Workload:
         return self.arrival_times + self.lifetimes
 
 
+def check_prompt_share(prompt_share) -> tuple[float, float]:
+    """Return (low, high) as floats if 0 <= low <= high < 1, else raise naming prompt_share."""
+    if isinstance(prompt_share, (str, bytes)) or not hasattr(prompt_share, "__len__") or len(
+            prompt_share) != 2:
+        raise ValueError(f"prompt_share must be a pair (low, high), got {prompt_share!r}")
+    low, high = (check_number("prompt_share", x, allow_zero=True) for x in prompt_share)
+    if not low <= high < 1:
+        raise ValueError(f"prompt_share must satisfy 0 <= low <= high < 1, got {prompt_share!r}")
+    return low, high
+
+
 def make_workload(num_requests: int, arrival_rate: float, seed: int = 0, decode_rate: float = 30.0,
                   prompt_share: tuple[float, float] = (0.2, 0.8), **length_kwargs) -> Workload:
     """A seeded trace: lognormal lengths, a uniform prompt share, Poisson arrivals."""
     num_requests = check_integer("num_requests", num_requests, 1)
     arrival_rate = check_number("arrival_rate", arrival_rate)
     decode_rate = check_number("decode_rate", decode_rate)
-    low, high = prompt_share
-    if not 0 <= low <= high < 1:
-        raise ValueError(f"prompt_share must satisfy 0 <= low <= high < 1, got {prompt_share}")
+    low, high = check_prompt_share(prompt_share)
+    seed = check_integer("seed", seed, 0)
+    unknown = set(length_kwargs) - {"median", "mean", "cap"}
+    if unknown:
+        raise ValueError(f"make_workload got {sorted(unknown)}: the length options are "
+                         "median, mean and cap")
     total = sample_total_lengths(num_requests, seed, **length_kwargs)
     rng = np.random.default_rng([seed, 1])  # a second stream, so lengths do not depend on rates
     share = rng.uniform(low, high, size=num_requests)
@@ -95,10 +116,17 @@ def make_workload(num_requests: int, arrival_rate: float, seed: int = 0, decode_
     return Workload(arrivals, total - answer, answer, decode_rate)
 
 
-@lru_cache(maxsize=32)
 def workload_moments(decode_rate: float = 30.0, prompt_share: tuple[float, float] = (0.2, 0.8),
                      samples: int = 400_000) -> tuple[float, float]:
     """Mean lifetime (s) and mean token-seconds per request, from one large fixed sample."""
+    return _workload_moments(check_number("decode_rate", decode_rate),
+                             check_prompt_share(prompt_share),
+                             check_integer("samples", samples, 1))  # hashable, for the cache
+
+
+@lru_cache(maxsize=32)
+def _workload_moments(decode_rate: float, prompt_share: tuple[float, float],
+                      samples: int) -> tuple[float, float]:
     trace = make_workload(samples, 1.0, seed=20_240_601, decode_rate=decode_rate,
                           prompt_share=prompt_share)
     return float(trace.lifetimes.mean()), float(np.mean(trace.total_lens * trace.lifetimes))
@@ -108,7 +136,7 @@ def arrival_rate_for_load(load: float, pool_tokens: int, decode_rate: float = 30
                           prompt_share: tuple[float, float] = (0.2, 0.8)) -> float:
     """Requests per second that offer this load (exact-fit token-seconds over the pool)."""
     load, pool_tokens = check_number("load", load), check_integer("pool_tokens", pool_tokens, 1)
-    _, token_seconds = workload_moments(decode_rate, tuple(prompt_share))
+    _, token_seconds = workload_moments(decode_rate, prompt_share)
     return load * pool_tokens / token_seconds
 
 
@@ -156,6 +184,9 @@ class MaxTree:
     """Values at positions 0..size-1 with O(log size) update and leftmost-at-least search."""
 
     def __init__(self, size: int):
+        size = check_integer("size", size, 1)
+        if size > MAX_EXACT_FIT_TOKENS:
+            raise ValueError(f"size={size:,} is more than {MAX_EXACT_FIT_TOKENS:,} positions")
         self.leaves = 1 << max(0, (size - 1).bit_length())
         self.nodes = [0] * (2 * self.leaves)
 
@@ -245,6 +276,10 @@ class ExactFit(Allocator):
 
     def __init__(self, pool_tokens: int, fit: str = "first"):
         super().__init__(pool_tokens)
+        if self.pool_tokens > MAX_EXACT_FIT_TOKENS:  # the tree keeps two list slots per token
+            raise ValueError(f"pool_tokens={pool_tokens:,} is more than the "
+                             f"{MAX_EXACT_FIT_TOKENS:,} an exact-fit pool may have here (its "
+                             "tree needs 16 bytes a token)")
         if fit not in ("first", "best"):
             raise ValueError(f"fit must be 'first' or 'best', got {fit!r}")
         self.fit = fit
@@ -385,6 +420,11 @@ class SimulationResult:
 
 def simulate(workload: Workload, allocator: Allocator, warmup: float = 0.0) -> SimulationResult:
     """Play the trace through the allocator: finishes due are released before each arrival."""
+    if not isinstance(workload, Workload):
+        raise ValueError(f"workload must be a Workload, got {type(workload).__name__}")
+    if not all(hasattr(allocator, a) for a in ("admit", "release", "demand", "live", "name",
+                                                "held_tokens", "pool_tokens")):
+        raise ValueError(f"allocator must be an Allocator, got {type(allocator).__name__}")
     arrivals = workload.arrival_times.tolist()
     last = arrivals[-1]
     if isinstance(warmup, bool) or not isinstance(warmup, (int, float, np.number)) or not (
@@ -471,3 +511,57 @@ def erlang_b(servers: int, offered: float) -> float:
     for k in range(1, servers + 1):
         blocking = offered * blocking / (k + offered * blocking)
     return blocking
+
+
+def bad_input_catalogue() -> list[tuple[str, str, Callable[[], object]]]:
+    """Mistakes this module refuses: (the call, the argument its error names, the call)."""
+    trace = lambda: Workload([0.0, 1.0], [1, 1], [1, 1], 1.0)  # noqa: E731
+    return [
+        ("make_workload(2.5, 1.0)", "num_requests", lambda: make_workload(2.5, 1.0)),
+        ("make_workload(10, 0.0)", "arrival_rate", lambda: make_workload(10, 0.0)),
+        ("make_workload(10, 1.0, decode_rate=True)", "decode_rate",
+         lambda: make_workload(10, 1.0, decode_rate=True)),
+        ("make_workload(10, 1.0, prompt_share=5)", "prompt_share",
+         lambda: make_workload(10, 1.0, prompt_share=5)),
+        ("make_workload(10, 1.0, prompt_share=(0.5, 1.0))", "prompt_share",
+         lambda: make_workload(10, 1.0, prompt_share=(0.5, 1.0))),
+        ("make_workload(10, 1.0, prompt_share=('0.2', '0.8'))", "prompt_share",
+         lambda: make_workload(10, 1.0, prompt_share=("0.2", "0.8"))),
+        ("make_workload(10, 1.0, seed='abc')", "seed", lambda: make_workload(10, 1.0, seed="abc")),
+        ("make_workload(10, 1.0, seed=-1)", "seed", lambda: make_workload(10, 1.0, seed=-1)),
+        ("make_workload(10, 1.0, medium=150)", "medium",
+         lambda: make_workload(10, 1.0, medium=150)),
+        ("make_workload(10, 1.0, median=400.0)", "median",
+         lambda: make_workload(10, 1.0, median=400.0)),
+        ("sample_total_lengths(10, mean=nan)", "mean",
+         lambda: sample_total_lengths(10, mean=float("nan"))),
+        ("sample_total_lengths(10, cap=0)", "cap", lambda: sample_total_lengths(10, cap=0)),
+        ("Workload(['0', '1'], [1, 1], [1, 1], 1.0)", "arrival_times",
+         lambda: Workload(["0", "1"], [1, 1], [1, 1], 1.0)),
+        ("Workload([True, False], [1, 1], [1, 1], 1.0)", "arrival_times",
+         lambda: Workload([True, False], [1, 1], [1, 1], 1.0)),
+        ("Workload([1.0, 0.0], [1, 1], [1, 1], 1.0)", "arrival_times",
+         lambda: Workload([1.0, 0.0], [1, 1], [1, 1], 1.0)),
+        ("Workload([0.0, 1.0], [1.0, 1.0], [1, 1], 1.0)", "prompt_lens",
+         lambda: Workload([0.0, 1.0], [1.0, 1.0], [1, 1], 1.0)),
+        ("Workload([0.0, 1.0], [1, 1], [1, 0], 1.0)", "answer_lens",
+         lambda: Workload([0.0, 1.0], [1, 1], [1, 0], 1.0)),
+        ("Workload([0.0], [1], [1], decode_rate=nan)", "decode_rate",
+         lambda: Workload([0.0], [1], [1], float("nan"))),
+        ("arrival_rate_for_load(inf, 100)", "load", lambda: arrival_rate_for_load(math.inf, 100)),
+        ("arrival_rate_for_load(1.0, 100, prompt_share='0.5')", "prompt_share",
+         lambda: arrival_rate_for_load(1.0, 100, prompt_share="0.5")),
+        ("ExactFit(10.5)", "pool_tokens", lambda: ExactFit(10.5)),
+        ("ExactFit(2**40)", "pool_tokens", lambda: ExactFit(2**40)),
+        ("ExactFit(1024, fit='worst')", "fit", lambda: ExactFit(1024, fit="worst")),
+        ("BlockAllocator(10, block_size=16)", "pool_tokens", lambda: BlockAllocator(10, 16)),
+        ("MaxLengthReservation(100, max_model_len=8).admit(0, 9)", "max_model_len",
+         lambda: MaxLengthReservation(100, max_model_len=8).admit(0, 9)),
+        ("ExactFit(10).admit(0, 2.5)", "num_tokens", lambda: ExactFit(10).admit(0, 2.5)),
+        ("ExactFit(10).release(3)", "request_id", lambda: ExactFit(10).release(3)),
+        ("simulate('trace', ExactFit(10))", "workload", lambda: simulate("trace", ExactFit(10))),
+        ("simulate(trace, 'exact fit')", "allocator", lambda: simulate(trace(), "exact fit")),
+        ("simulate(trace, ExactFit(10), warmup=-1)", "warmup",
+         lambda: simulate(trace(), ExactFit(10), warmup=-1)),
+        ("erlang_b(-1, 1.0)", "servers", lambda: erlang_b(-1, 1.0)),
+    ]
