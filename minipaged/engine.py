@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import torch
 from minipaged.blocks import BlockPool
 from minipaged.kernels import check_block_size
 from minipaged.kv_cache import KVCache
-from minipaged.memory import cache_budget, check_integer, peak_forward_bytes
+from minipaged.memory import cache_budget, check_integer, check_number, peak_forward_bytes
 from minipaged.model import (
     ModelConfig,
     Qwen2ForCausalLM,
@@ -157,6 +158,21 @@ LLMEngine.has_unfinished_requests = _has_unfinished_requests
 LLMEngine.stats = _stats
 
 
+def _abort_request(self: LLMEngine, request_id: str | Iterable[str]) -> None:
+    """Withdraw live requests by id; their blocks return to the pool at once."""
+    ids = [request_id] if isinstance(request_id, str) else request_id
+    ids = list(ids) if isinstance(ids, Iterable) else None
+    if ids is None or not all(isinstance(i, str) for i in ids):
+        raise ValueError(f"request_id must be a request id or a list of them, got {request_id!r}")
+    for live_id in ids:
+        request = self.requests.pop(live_id, None)
+        if request is not None:
+            self.scheduler.abort_request(request)
+
+
+LLMEngine.abort_request = _abort_request
+
+
 CPU_KV_CACHE_BYTES = 256 * 2**20  # the default cache on a CPU, where there is nothing to profile
 PRESETS = {"random": lambda: ModelConfig.small(num_layers=2)}
 
@@ -246,6 +262,105 @@ class RequestOutput:
     metrics: RequestMetrics
 
 
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def check_llm_options(*, tokenizer, seed, gpu_memory_utilization, num_gpu_blocks_override,
+                      kv_cache_memory_bytes, max_model_len, max_num_seqs, max_num_batched_tokens,
+                      enable_prefix_caching, attention_backend) -> None:
+    """Raise a ValueError naming the first option of LLM that is of the wrong type or range."""
+    if tokenizer is not None and not all(
+            callable(getattr(tokenizer, name, None)) for name in ("encode", "decode")):
+        raise ValueError(f"tokenizer must have encode and decode methods, got {tokenizer!r}")
+    if check_integer("seed", seed, 0) >= 2**63:
+        raise ValueError(f"seed must be below 2**63, got {seed!r}")
+    if check_number("gpu_memory_utilization", gpu_memory_utilization) > 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], "
+                         f"got {gpu_memory_utilization!r}")
+    for name, value in [("num_gpu_blocks_override", num_gpu_blocks_override),
+                        ("kv_cache_memory_bytes", kv_cache_memory_bytes),
+                        ("max_model_len", max_model_len)]:
+        if value is not None:  # None is the default; 0 is a mistake
+            check_integer(name, value, 1)
+    check_integer("max_num_seqs", max_num_seqs, 1)
+    check_integer("max_num_batched_tokens", max_num_batched_tokens, 1)
+    if not isinstance(enable_prefix_caching, bool):
+        raise ValueError(f"enable_prefix_caching must be True or False, "
+                         f"got {enable_prefix_caching!r}")
+    if attention_backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"attention_backend must be auto, torch or triton, "
+                         f"got {attention_backend!r}")
+
+
+def check_device(device, dtype) -> tuple[torch.device, torch.dtype]:
+    """The device and dtype to run on (None: the defaults), or a ValueError naming the option."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if not isinstance(device, (str, torch.device)):
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    try:
+        device = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}") from None
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"device={str(device)!r}, but this machine has "
+                         f"{torch.cuda.device_count()} CUDA devices")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {str(device)!r}")
+    if dtype is None or dtype == "auto":
+        return device, torch.float16 if device.type == "cuda" else torch.float32
+    dtype = DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
+    if dtype not in DTYPES.values():
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)} (or the torch dtype), "
+                         f"got {dtype!r}")
+    return device, dtype
+
+
+def free_memory_bytes(device: torch.device) -> int | None:
+    """Bytes the device could still give a new tensor now; None where it cannot be told."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as meminfo:  # Linux: what can be had without swapping
+            fields = dict(line.split(":", 1) for line in meminfo)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def cache_size_source(num_gpu_blocks_override, kv_cache_memory_bytes, device) -> str:
+    """The option that decided the cache's size, as the errors name it."""
+    if num_gpu_blocks_override is not None:
+        return f"num_gpu_blocks_override={num_gpu_blocks_override}"
+    if kv_cache_memory_bytes is not None:
+        return f"kv_cache_memory_bytes={kv_cache_memory_bytes:,}"
+    if device.type == "cuda":
+        return "gpu_memory_utilization (after profiling)"
+    return f"the default kv_cache_memory_bytes={CPU_KV_CACHE_BYTES:,} on a CPU"
+
+
+def check_cache_size(model: Qwen2ForCausalLM, num_blocks: int, block_size: int,
+                     max_model_len: int | None, num_gpu_blocks_override,
+                     kv_cache_memory_bytes) -> None:
+    """Raise a ValueError naming the option that sized the cache when the cache cannot hold one
+    sequence of max_model_len, or would not fit in the device's free memory."""
+    param, config = next(model.parameters()), model.config
+    source = cache_size_source(num_gpu_blocks_override, kv_cache_memory_bytes, param.device)
+    block_bytes = config.kv_bytes_per_token(param.element_size()) * block_size
+    longest = min(max_model_len or config.max_position_embeddings,
+                  config.max_position_embeddings)  # a longer max_model_len is refused later
+    needed = math.ceil(longest / block_size)
+    if num_blocks < needed:
+        raise ValueError(f"{source} gives {num_blocks} blocks of {block_size} tokens "
+                         f"({block_bytes:,} bytes each), but one sequence of max_model_len="
+                         f"{longest} needs {needed} blocks ({needed * block_bytes:,} bytes): "
+                         f"give the cache more or lower max_model_len")
+    wanted, free = num_blocks * block_bytes, free_memory_bytes(param.device)
+    if free is not None and wanted > free:
+        raise ValueError(f"{source} gives {num_blocks:,} blocks, a cache of {wanted:,} bytes, but "
+                         f"{param.device} has {free:,} bytes free")
+
+
 class LLM:
     """vLLM's offline entry point for the subset minipaged supports."""
 
@@ -256,23 +371,31 @@ class LLM:
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
                  enable_prefix_caching: bool = False, attention_backend: str = "auto") -> None:
         check_block_size(block_size)
+        check_llm_options(tokenizer=tokenizer, seed=seed,
+                          gpu_memory_utilization=gpu_memory_utilization,
+                          num_gpu_blocks_override=num_gpu_blocks_override,
+                          kv_cache_memory_bytes=kv_cache_memory_bytes,
+                          max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                          max_num_batched_tokens=max_num_batched_tokens,
+                          enable_prefix_caching=enable_prefix_caching,
+                          attention_backend=attention_backend)
         if enable_prefix_caching not in KV_CACHE_MANAGERS:
             raise ValueError(f"enable_prefix_caching={enable_prefix_caching!r}: prefix caching "
                              "is not implemented yet in minipaged; leave it False")
-        if not 0 < gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], "
-                             f"got {gpu_memory_utilization!r}")
-        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        dtype = dtype or (torch.float16 if device.type == "cuda" else torch.float32)
+        device, dtype = check_device(device, dtype)
         self.model, self.tokenizer = build_model(model, seed, dtype, device, attention_backend)
-        self.tokenizer = tokenizer or self.tokenizer
-        num_blocks = num_gpu_blocks_override or determine_num_gpu_blocks(
-            self.model, block_size, gpu_memory_utilization, max_num_batched_tokens,
-            kv_cache_memory_bytes)
+        self.tokenizer = self.tokenizer if tokenizer is None else tokenizer
+        num_blocks = num_gpu_blocks_override
+        if num_blocks is None:
+            num_blocks = determine_num_gpu_blocks(self.model, block_size, gpu_memory_utilization,
+                                                  max_num_batched_tokens, kv_cache_memory_bytes)
+        check_cache_size(self.model, num_blocks, block_size, max_model_len,
+                         num_gpu_blocks_override, kv_cache_memory_bytes)
         self.llm_engine = LLMEngine(self.model, num_blocks, block_size, max_model_len,
                                     max_num_seqs, max_num_batched_tokens, seed,
                                     KV_CACHE_MANAGERS[enable_prefix_caching])
         self._next_id = 0
+        self._inboxes: dict[str, deque[RequestOutput]] = {}  # request id -> its live stream's
 
     def get_tokenizer(self):
         """The tokenizer, or None for a model without one."""
@@ -287,16 +410,29 @@ def _prompt_tokens(self: LLM, index: int, prompt) -> tuple[str | None, list[int]
                              "pass {'prompt_token_ids': [...]} instead")
         return prompt, self.tokenizer.encode(prompt)
     if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-        return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        ids, text = prompt["prompt_token_ids"], prompt.get("prompt")
+        if not isinstance(ids, (list, tuple)):
+            raise ValueError(f"prompts[{index}]: prompt_token_ids must be a list of integer "
+                             f"token ids, got {type(ids).__name__}")
+        if text is not None and not isinstance(text, str):
+            raise ValueError(f"prompts[{index}]: prompt must be a string or None, got {text!r}")
+        return text, list(ids)
     raise ValueError(f"prompts[{index}] must be a string or a dict with prompt_token_ids, "
                      f"got {type(prompt).__name__}")
 
 
 def _queue_prompts(self: LLM, prompts, sampling_params) -> list[Request]:
     """Check every prompt first, then queue them all: a bad prompt queues nothing."""
-    prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+    if isinstance(prompts, (str, dict)):
+        prompts = [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise ValueError(f"prompts must be a prompt or a list of prompts, got "
+                         f"{type(prompts).__name__}")
     if sampling_params is None or isinstance(sampling_params, SamplingParams):
         sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+    if not isinstance(sampling_params, (list, tuple)):
+        raise ValueError(f"sampling_params must be a SamplingParams or a list of them, got "
+                         f"{type(sampling_params).__name__}")
     if len(sampling_params) != len(prompts):
         raise ValueError(f"sampling_params has {len(sampling_params)} entries for "
                          f"{len(prompts)} prompts")
@@ -310,10 +446,14 @@ def _queue_prompts(self: LLM, prompts, sampling_params) -> list[Request]:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params[{index}] must be a SamplingParams")
     requests = []
-    for text, tokens, params in checked:
-        request = self.llm_engine.add_request(str(self._next_id), tokens, params)
-        request.prompt, self._next_id = text, self._next_id + 1
-        requests.append(request)
+    try:
+        for text, tokens, params in checked:
+            request = self.llm_engine.add_request(str(self._next_id), tokens, params)
+            request.prompt, self._next_id = text, self._next_id + 1
+            requests.append(request)
+    except BaseException:  # even a KeyboardInterrupt: all of them are queued, or none
+        self.llm_engine.abort_request([r.request_id for r in requests])
+        raise
     return requests
 
 
@@ -338,21 +478,38 @@ def _output(self: LLM, request: Request, new_token_ids: list[int]) -> RequestOut
 LLM._output = _output
 
 
+def _step_and_route(self: LLM) -> list[Request]:
+    """One engine step; each live stream's outputs go to its inbox, whoever drove the step."""
+    requests = self.llm_engine.step()
+    for request in requests:
+        inbox = self._inboxes.get(request.request_id)
+        if inbox is not None:
+            inbox.append(self._output(request, request.output_token_ids[-1:]))
+    return requests
+
+
 def _stream(self: LLM, prompts, sampling_params=None) -> Iterator[RequestOutput]:
     """Yield an output carrying each new token as soon as it is produced."""
     requests = self._queue_prompts(prompts, sampling_params)
-    pending = {r.request_id: r for r in requests}
+    pending, inbox = {r.request_id: r for r in requests}, deque()
+    self._inboxes.update((request_id, inbox) for request_id in pending)
     try:
         while pending:
-            for request in self.llm_engine.step():
-                if request.request_id in pending:
-                    yield self._output(request, request.output_token_ids[-1:])
-                    if request.status.finished:
-                        del pending[request.request_id]
-    finally:  # a caller who stops listening withdraws what is left
-        for request in pending.values():
-            self.llm_engine.scheduler.abort_request(request)
-            self.llm_engine.requests.pop(request.request_id, None)
+            if not inbox:
+                for request in pending.values():
+                    if request.status.finished:  # aborted by someone else: say so, once
+                        inbox.append(self._output(request, []))
+                if not inbox:
+                    self._step_and_route()
+                continue
+            output = inbox.popleft()
+            if output.finished:
+                del pending[output.request_id]
+            yield output
+    finally:  # a caller who stops listening, or an error, withdraws what is left
+        for request in requests:
+            self._inboxes.pop(request.request_id, None)
+        self.llm_engine.abort_request(list(pending))
 
 
 def _generate(self: LLM, prompts, sampling_params=None, use_tqdm: bool = True
@@ -361,15 +518,21 @@ def _generate(self: LLM, prompts, sampling_params=None, use_tqdm: bool = True
     from tqdm.auto import tqdm
 
     requests = self._queue_prompts(prompts, sampling_params)
-    ids = {r.request_id for r in requests}
-    with tqdm(total=len(requests), desc="Processed prompts", disable=not use_tqdm) as bar:
-        left = len(requests)
-        while left:
-            for request in self.llm_engine.step():
-                if request.status.finished and request.request_id in ids:
-                    left -= 1
-                    bar.update(1)
+    left = requests
+    try:
+        with tqdm(total=len(requests), desc="Processed prompts", disable=not use_tqdm) as bar:
+            while True:
+                still = [r for r in left if not r.status.finished]  # finished, or aborted
+                bar.update(len(left) - len(still))
+                left = still
+                if not left:
+                    break
+                self._step_and_route()
+    except BaseException:  # a failed step, a KeyboardInterrupt: withdraw, then re-raise
+        self.llm_engine.abort_request([r.request_id for r in requests])
+        raise
     return [self._output(r, r.output_token_ids) for r in requests]
 
 
+LLM._step_and_route = _step_and_route
 LLM.stream, LLM.generate = _stream, _generate

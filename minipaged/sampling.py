@@ -8,7 +8,55 @@ from dataclasses import dataclass, field
 
 import torch
 
+from minipaged.memory import check_integer, check_number
+
 GREEDY_EPS = 1e-5  # temperatures below this are greedy, as in vLLM
+MAX_SEED = 2**63  # torch.Generator.manual_seed takes seeds below this
+
+
+def _check_n(n) -> int:
+    if check_integer("n", n, 1) != 1:
+        raise ValueError(f"n must be 1 (one completion per prompt), got {n!r}")
+    return 1
+
+
+def _check_top_p(top_p) -> float:
+    top_p = check_number("top_p", top_p)
+    if top_p > 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+    return top_p
+
+
+def _check_seed(seed) -> int | None:
+    if seed is not None and check_integer("seed", seed, 0) >= MAX_SEED:
+        raise ValueError(f"seed must be below 2**63, got {seed!r}")
+    return None if seed is None else int(seed)
+
+
+def _check_stop_token_ids(ids) -> list[int]:
+    if ids is None:
+        return []
+    if not isinstance(ids, (list, tuple)):
+        raise ValueError(f"stop_token_ids must be a list of token ids, got {ids!r}")
+    return [check_integer("stop_token_ids", t, 0) for t in ids]
+
+
+def _check_ignore_eos(ignore_eos) -> bool:
+    if not isinstance(ignore_eos, bool):
+        raise ValueError(f"ignore_eos must be True or False, got {ignore_eos!r}")
+    return ignore_eos
+
+
+FIELD_CHECKS = {  # each returns the value to store, or raises a ValueError naming its field
+    "n": _check_n,
+    "temperature": lambda t: check_number("temperature", t, allow_zero=True),
+    "top_p": _check_top_p,
+    "top_k": lambda k: check_integer("top_k", k, -1),
+    "seed": _check_seed,
+    "stop_token_ids": _check_stop_token_ids,
+    "ignore_eos": _check_ignore_eos,
+    "max_tokens": lambda m: None if m is None else check_integer("max_tokens", m, 1),
+}
 
 
 @dataclass
@@ -18,25 +66,16 @@ class SamplingParams:
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = 0
+    top_k: int = 0  # 0 or -1: off
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     max_tokens: int | None = 16
 
-    def __post_init__(self) -> None:
-        if self.n != 1:
-            raise ValueError(f"n must be 1 (one completion per prompt), got {self.n!r}")
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 or 0 (off) or a positive int, got {self.top_k!r}")
-        if self.max_tokens is not None and not (isinstance(self.max_tokens, int)
-                                                and self.max_tokens >= 1):
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
+    def __setattr__(self, name: str, value) -> None:
+        """Check a field whenever it is set, in __init__ and after: a bad value never lands."""
+        check = FIELD_CHECKS.get(name)
+        super().__setattr__(name, value if check is None else check(value))
 
     @property
     def greedy(self) -> bool:
