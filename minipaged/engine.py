@@ -536,3 +536,46 @@ def _generate(self: LLM, prompts, sampling_params=None, use_tqdm: bool = True
 
 LLM._step_and_route = _step_and_route
 LLM.stream, LLM.generate = _stream, _generate
+
+
+BAD_LLM_OPTIONS: list[tuple[str, object]] = [  # (option, a value LLM refuses), chapter 6's model
+    ("seed", None), ("seed", -1), ("seed", "0"), ("seed", 2**64),
+    ("device", "nonsense"), ("device", "cuda:7"), ("device", 3), ("device", "meta"),
+    ("dtype", "fp8"), ("dtype", torch.int32),
+    ("tokenizer", 123), ("tokenizer", "gpt2"),
+    ("block_size", 48), ("block_size", 512), ("block_size", True),
+    ("gpu_memory_utilization", 0), ("gpu_memory_utilization", 1.5),
+    ("gpu_memory_utilization", "0.9"), ("gpu_memory_utilization", True),
+    ("num_gpu_blocks_override", 0), ("num_gpu_blocks_override", 8),
+    ("num_gpu_blocks_override", 10**12), ("num_gpu_blocks_override", 64.0),
+    ("kv_cache_memory_bytes", 0), ("kv_cache_memory_bytes", 1024),
+    ("kv_cache_memory_bytes", 2**60),
+    ("max_model_len", 0), ("max_model_len", 10**6), ("max_model_len", True),
+    ("max_num_seqs", 0), ("max_num_seqs", 2.0),
+    ("max_num_batched_tokens", 0), ("max_num_batched_tokens", "2048"),
+    ("enable_prefix_caching", "yes"), ("enable_prefix_caching", 0),
+    ("attention_backend", "cuda"),
+]
+
+_GOOD_PROMPT = {"prompt_token_ids": [1, 2]}
+BAD_GENERATE_ARGUMENTS: list[tuple[str, dict]] = [  # (field, generate's arguments), no tokenizer
+    ("prompts", dict(prompts=None)),
+    ("prompts", dict(prompts=42)),
+    ("prompts[1]", dict(prompts=[_GOOD_PROMPT, 42])),
+    ("prompts[1]", dict(prompts=[_GOOD_PROMPT, {"text": "hello"}])),
+    ("tokenizer", dict(prompts=[_GOOD_PROMPT, "a string prompt"])),
+    ("prompt_token_ids", dict(prompts=[_GOOD_PROMPT, {"prompt_token_ids": ["a", "b"]}])),
+    ("prompt_token_ids", dict(prompts=[_GOOD_PROMPT, {"prompt_token_ids": [1.0, 2.0]}])),
+    ("prompt_token_ids", dict(prompts=[_GOOD_PROMPT, {"prompt_token_ids": [True]}])),
+    ("prompt_token_ids", dict(prompts=[_GOOD_PROMPT, {"prompt_token_ids": 5}])),
+    ("prompt_token_ids", dict(prompts=[_GOOD_PROMPT, {"prompt_token_ids": "12"}])),
+    ("prompt_token_ids", dict(prompts=[_GOOD_PROMPT, {"prompt_token_ids": []}])),
+    ("max_model_len", dict(prompts=[_GOOD_PROMPT, {"prompt_token_ids": [1] * 70_000}])),
+    ("vocabulary", dict(prompts=[_GOOD_PROMPT, {"prompt_token_ids": [1, 10**9]}])),
+    ("vocabulary", dict(prompts=[_GOOD_PROMPT, {"prompt_token_ids": [-1]}])),
+    ("prompt", dict(prompts=[_GOOD_PROMPT, {"prompt_token_ids": [1], "prompt": 5}])),
+    ("sampling_params", dict(prompts=[_GOOD_PROMPT] * 2, sampling_params=[SamplingParams()] * 3)),
+    ("sampling_params", dict(prompts=_GOOD_PROMPT, sampling_params={"temperature": 0})),
+    ("sampling_params[1]", dict(prompts=[_GOOD_PROMPT] * 2,
+                                sampling_params=[SamplingParams(), "greedy"])),
+]

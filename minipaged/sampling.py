@@ -36,9 +36,13 @@ def _check_seed(seed) -> int | None:
 def _check_stop_token_ids(ids) -> list[int]:
     if ids is None:
         return []
-    if not isinstance(ids, (list, tuple)):
-        raise ValueError(f"stop_token_ids must be a list of token ids, got {ids!r}")
-    return [check_integer("stop_token_ids", t, 0) for t in ids]
+    try:
+        if not isinstance(ids, (list, tuple)):
+            raise ValueError
+        return [check_integer("stop_token_ids", t, 0) for t in ids]
+    except ValueError:
+        raise ValueError(f"stop_token_ids must be a list of token ids (integers >= 0), "
+                         f"got {ids!r}") from None
 
 
 def _check_ignore_eos(ignore_eos) -> bool:
@@ -108,3 +112,17 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
         probs = filtered.softmax(dim=-1)
         tokens[row] = int(torch.multinomial(probs, 1, generator=generator))
     return tokens
+
+
+BAD_SAMPLING_PARAMS: list[tuple[str, object]] = [  # (field, a value SamplingParams refuses)
+    ("n", 2), ("n", 1.0), ("n", True),
+    ("temperature", -0.5), ("temperature", float("inf")), ("temperature", float("nan")),
+    ("temperature", "0.5"), ("temperature", None), ("temperature", True),
+    ("top_p", 0.0), ("top_p", 1.5), ("top_p", True), ("top_p", "1"),
+    ("top_k", -2), ("top_k", True), ("top_k", 2.5), ("top_k", None),
+    ("seed", "abc"), ("seed", 1.5), ("seed", 2**64), ("seed", -1), ("seed", True),
+    ("stop_token_ids", "12"), ("stop_token_ids", [1.7]), ("stop_token_ids", [-1]),
+    ("stop_token_ids", [True]), ("stop_token_ids", 12),
+    ("ignore_eos", "no"), ("ignore_eos", 1), ("ignore_eos", None),
+    ("max_tokens", 0), ("max_tokens", True), ("max_tokens", 2.5), ("max_tokens", "16"),
+]
