@@ -20,7 +20,7 @@ class KVCacheBlock:
 
     block_id: int
     ref_cnt: int = 0
-    block_hash: bytes | None = None  # for prefix caching (a later chapter, planned)
+    block_hash: bytes | None = None  # set by chapter 8's prefix cache
     prev_free_block: KVCacheBlock | None = field(default=None, repr=False)
     next_free_block: KVCacheBlock | None = field(default=None, repr=False)
     free_queue: FreeKVCacheBlockQueue | None = field(default=None, repr=False)  # the one it is in
@@ -86,6 +86,8 @@ class BlockPool:
     that was refused, or that asked for none, is not counted.
     """
 
+    free_block_queue_class = FreeKVCacheBlockQueue  # chapter 8's pool orders its queue its own way
+
     def __init__(self, num_blocks: int, block_size: int) -> None:
         block_size = check_integer("block_size", block_size, 1)
         if block_size & (block_size - 1):
@@ -93,7 +95,7 @@ class BlockPool:
         self.num_blocks = check_integer("num_blocks", num_blocks, 1)
         self.block_size = block_size
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
-        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
+        self.free_block_queue = self.free_block_queue_class(self.blocks)
         self.num_allocator_calls = 0
 
     def get_num_free_blocks(self) -> int:
@@ -145,7 +147,7 @@ class BlockPool:
         return blocks
 
     def _pop_free_block(self) -> KVCacheBlock:
-        """Take the next free block (a planned prefix cache would override this)."""
+        """Take the next free block (chapter 8's prefix cache overrides this to evict)."""
         return self.free_block_queue.popleft()
 
 

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import torch
 
-from minipaged.blocks import BlockPool
 from minipaged.kernels import check_block_size
 from minipaged.kv_cache import KVCache
 from minipaged.memory import cache_budget, check_integer, check_number, peak_forward_bytes
@@ -28,8 +27,8 @@ from minipaged.model import (
 from minipaged.sampling import SamplingParams, sample
 from minipaged.scheduler import KVCacheManager, Request, Scheduler, needs_sample
 
-# Which KV cache manager serves LLM(enable_prefix_caching=...). Only False is served: prefix
-# caching is not implemented yet in minipaged; a planned chapter would register a manager for True.
+# Which KV cache manager serves LLM(enable_prefix_caching=...). Chapter 8's module registers the
+# prefix-caching manager under True; importing minipaged imports it.
 KV_CACHE_MANAGERS: dict[bool, type[KVCacheManager]] = {False: KVCacheManager}
 
 
@@ -54,7 +53,7 @@ class LLMEngine:
                              f"({needed} blocks): give the cache more memory or lower "
                              f"max_model_len")
         self.model, self.config, self.device, self.seed = model, config, param.device, seed
-        self.pool = BlockPool(num_gpu_blocks, block_size)
+        self.pool = kv_cache_manager_class.pool_class(num_gpu_blocks, block_size)
         self.kv_cache = KVCache(config.num_hidden_layers, num_gpu_blocks, block_size,
                                 config.num_key_value_heads, config.head_dim, param.dtype,
                                 param.device)
@@ -146,16 +145,24 @@ def _has_unfinished_requests(self: LLMEngine) -> bool:
 
 
 def _stats(self: LLMEngine) -> dict[str, int]:
-    """The engine's counters: steps, tokens computed, preemptions, allocator calls, peak blocks."""
+    """The engine's counters: steps, tokens computed, preemptions, allocator calls, peak blocks,
+    and what the KV cache manager counts (chapter 8's prefix cache: queries, hits, evictions)."""
     return dict(num_steps=self.num_steps, num_computed_tokens=self.num_computed_tokens,
                 num_preemptions=self.scheduler.num_preemptions,
                 num_allocator_calls=self.pool.num_allocator_calls,
-                peak_num_used_blocks=self.peak_num_used_blocks)
+                peak_num_used_blocks=self.peak_num_used_blocks,
+                **self.scheduler.kv_cache_manager.stats())
+
+
+def _reset_prefix_cache(self: LLMEngine) -> bool:
+    """Forget every cached prefix; False, and nothing forgotten, while any block is in use."""
+    return self.scheduler.kv_cache_manager.reset_prefix_cache()
 
 
 LLMEngine.step = _step
 LLMEngine.has_unfinished_requests = _has_unfinished_requests
 LLMEngine.stats = _stats
+LLMEngine.reset_prefix_cache = _reset_prefix_cache
 
 
 def _abort_request(self: LLMEngine, request_id: str | Iterable[str]) -> None:
@@ -260,6 +267,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    num_cached_tokens: int | None = None  # prompt tokens a prefix cache supplied (chapter 8)
 
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -369,7 +377,7 @@ class LLM:
                  num_gpu_blocks_override: int | None = None,
                  kv_cache_memory_bytes: int | None = None, max_model_len: int | None = None,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
-                 enable_prefix_caching: bool = False, attention_backend: str = "auto") -> None:
+                 enable_prefix_caching: bool = True, attention_backend: str = "auto") -> None:
         check_block_size(block_size)
         check_llm_options(tokenizer=tokenizer, seed=seed,
                           gpu_memory_utilization=gpu_memory_utilization,
@@ -379,9 +387,6 @@ class LLM:
                           max_num_batched_tokens=max_num_batched_tokens,
                           enable_prefix_caching=enable_prefix_caching,
                           attention_backend=attention_backend)
-        if enable_prefix_caching not in KV_CACHE_MANAGERS:
-            raise ValueError(f"enable_prefix_caching={enable_prefix_caching!r}: prefix caching "
-                             "is not implemented yet in minipaged; leave it False")
         device, dtype = check_device(device, dtype)
         self.model, self.tokenizer = build_model(model, seed, dtype, device, attention_backend)
         self.tokenizer = self.tokenizer if tokenizer is None else tokenizer
@@ -400,6 +405,11 @@ class LLM:
     def get_tokenizer(self):
         """The tokenizer, or None for a model without one."""
         return self.tokenizer
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix, as vLLM's LLM.reset_prefix_cache does; False while any
+        request still holds blocks."""
+        return self.llm_engine.reset_prefix_cache()
 
 
 def _prompt_tokens(self: LLM, index: int, prompt) -> tuple[str | None, list[int]]:
@@ -471,8 +481,8 @@ def _output(self: LLM, request: Request, new_token_ids: list[int]) -> RequestOut
     metrics = RequestMetrics(request.arrival_time, request.first_token_time,
                              request.finished_time, request.num_preemptions,
                              request.num_output_tokens)
-    return RequestOutput(request.request_id, request.prompt,
-                         request.prompt_token_ids, [completion], finished, metrics)
+    return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
+                         [completion], finished, metrics, request.num_cached_tokens)
 
 
 LLM._output = _output

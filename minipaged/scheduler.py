@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from minipaged.blocks import BlockPool, BlockTable, NoFreeBlocksError
+from minipaged.blocks import BlockPool, BlockTable
 from minipaged.sampling import SamplingParams
 
 
@@ -54,6 +54,9 @@ class Request:
     first_token_time: float | None = None
     finished_time: float | None = None
     prompt: str | None = None  # the text, when the prompt came as a string
+    num_cached_tokens: int | None = None  # prompt tokens found in a prefix cache when admitted
+    cache_salt: str | None = None  # kept apart from other salts' prefixes (chapters 8 and 9)
+    block_hashes: list[bytes] = field(default_factory=list)  # a prefix cache's (chapter 8)
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)
@@ -89,6 +92,8 @@ class Request:
 class KVCacheManager:
     """One block table per request over a shared pool: admission, growth and release."""
 
+    pool_class = BlockPool  # the pool the engine builds for this manager
+
     def __init__(self, pool: BlockPool) -> None:
         self.pool = pool
         self.block_size = pool.block_size
@@ -98,22 +103,35 @@ class KVCacheManager:
         """Cached blocks of the request's prefix and their tokens: none, with no prefix cache."""
         return [], 0
 
-    def can_admit(self, request: Request, num_computed_tokens: int = 0) -> bool:
+    def get_num_blocks_to_allocate(self, request: Request, num_tokens: int,
+                                   new_computed_blocks: list = ()) -> int:
+        """Free blocks that room for num_tokens would use up: new blocks, plus hit blocks
+        that sit in the free queue, since a hit takes them out of it."""
+        table = self.block_tables.get(request.request_id)
+        held = len(new_computed_blocks) + (len(table.blocks) if table else 0)
+        new = max(0, -(-num_tokens // self.block_size) - held)
+        return new + sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
+
+    def can_admit(self, request: Request, new_computed_blocks: list = ()) -> bool:
         """Whether every token the request still has to compute fits in the free blocks."""
-        held = -(-num_computed_tokens // self.block_size)
-        needed = -(-request.num_tokens // self.block_size) - held
+        needed = self.get_num_blocks_to_allocate(request, request.num_tokens, new_computed_blocks)
         return needed <= self.pool.get_num_free_blocks()
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       new_computed_blocks: list | None = None) -> bool:
-        """Grow the table to hold the computed and new tokens; False when the pool is short."""
-        table = self.block_tables.setdefault(request.request_id, BlockTable(self.pool))
+                       new_computed_blocks: list = ()) -> bool:
+        """Room for the computed, the newly found and the new tokens; False, changing nothing,
+        when the pool is short."""
+        num_tokens = (request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+                      + num_new_tokens)
+        needed = self.get_num_blocks_to_allocate(request, num_tokens, new_computed_blocks)
+        if needed > self.pool.get_num_free_blocks():
+            return False  # refused before any count or table changes
+        table = self.block_tables.get(request.request_id)
+        if table is None:
+            table = self.block_tables[request.request_id] = BlockTable(self.pool)
         if new_computed_blocks:
             table.share(new_computed_blocks)
-        try:
-            table.ensure_capacity(request.num_computed_tokens + num_new_tokens)
-        except NoFreeBlocksError:
-            return False
+        table.ensure_capacity(num_tokens)
         return True
 
     def free(self, request: Request) -> None:
@@ -125,6 +143,15 @@ class KVCacheManager:
     def get_block_table(self, request: Request) -> BlockTable:
         """The block table of a request that holds blocks."""
         return self.block_tables[request.request_id]
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; refused (False) while any block is in use, as in vLLM.
+        With no prefix cache there is nothing to forget."""
+        return self.pool.get_num_free_blocks() == self.pool.num_blocks
+
+    def stats(self) -> dict[str, int]:
+        """Counters a manager adds to the engine's: none here (a prefix cache adds its own)."""
+        return {}
 
 
 @dataclass
@@ -210,12 +237,14 @@ def _schedule(self: Scheduler) -> SchedulerOutput:
            and len(self.running) < self.max_num_seqs):
         request = self.waiting[0]
         computed_blocks, num_computed = manager.get_computed_blocks(request)
-        if not manager.can_admit(request, num_computed):
+        if not manager.can_admit(request, computed_blocks):
             break  # the whole of it must fit, or it waits
-        request.num_computed_tokens = num_computed
         num_new = min(request.num_tokens - num_computed, token_budget)
         if not manager.allocate_slots(request, num_new, computed_blocks):
             break
+        request.num_computed_tokens = num_computed
+        if request.num_cached_tokens is None:  # first admission only, as vLLM counts it
+            request.num_cached_tokens = num_computed
         self.waiting.popleft()
         request.status = RequestStatus.RUNNING
         self.running.append(request)

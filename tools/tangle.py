@@ -29,7 +29,7 @@ DIRECTIVE = re.compile(r"^#\|\s*(default_exp|export)\b\s*(\S*)\s*$")
 MODULE_NAME = re.compile(r"^[a-z_][a-z0-9_]*$")
 
 # The package's public surface: names re-exported by minipaged/__init__.py, module by module.
-PUBLIC = {"engine": ["LLM"], "sampling": ["SamplingParams"]}
+PUBLIC = {"engine": ["LLM"], "sampling": ["SamplingParams"], "prefix_cache": []}
 
 
 @dataclass
@@ -97,9 +97,11 @@ def render_init(modules: dict[str, Module]) -> str:
     ]
     exported = []
     for name, public in PUBLIC.items():
-        if name in modules:
+        if name in modules and public:
             lines.append(f"from .{name} import {', '.join(public)}")
             exported += public
+        elif name in modules:  # imported for what it registers (the prefix cache's manager)
+            lines.append(f"from . import {name}  # noqa: F401  (registers itself with the engine)")
     lines += ["", '__version__ = "0.1.0"', f"__all__ = {exported!r}", ""]
     return "\n".join(lines)
 
