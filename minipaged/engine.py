@@ -88,6 +88,8 @@ def _add_request(self: LLMEngine, request_id: str, prompt_token_ids: list[int],
     """Check a prompt and queue it; a refused prompt leaves the engine as it was."""
     if not isinstance(sampling_params, SamplingParams):
         raise ValueError(f"sampling_params must be a SamplingParams, got {sampling_params!r}")
+    if not isinstance(request_id, str):
+        raise ValueError(f"request_id must be a string, got {request_id!r}")
     if request_id in self.requests:
         raise ValueError(f"request_id {request_id!r} is already in the engine")
     tokens = self.check_prompt(prompt_token_ids)

@@ -527,6 +527,8 @@ def test_abort_request_withdraws_by_id_and_keeps_one_list_of_live_requests(model
     for bad in (3, None, [1, "a"], b"a"):
         with pytest.raises(ValueError, match="request_id"):
             engine.abort_request(bad)
+    with pytest.raises(ValueError, match="request_id must be a string"):
+        engine.add_request(5, [1, 2], TEN_TOKENS)  # an id abort_request could not name
     assert sorted(engine.requests) == ["a", "c"]
     while engine.has_unfinished_requests():
         engine.step()
