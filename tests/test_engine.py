@@ -16,7 +16,8 @@ import minipaged.engine
 import minipaged.scheduler
 from minipaged import LLM, SamplingParams
 from minipaged.engine import BAD_GENERATE_ARGUMENTS, BAD_LLM_OPTIONS
-from minipaged.model import ModelConfig, random_model, save_pretrained, to_transformers
+from minipaged.huggingface import save_pretrained, to_transformers
+from minipaged.model import ModelConfig, random_model
 
 MAX_TOKENS = 12
 LENGTHS = [3, 9, 17, 33, 5, 24]
