@@ -1,0 +1,30 @@
+// minipaged: the "#| export" and "#| default_exp" lines stay in the chapters' source (tangle
+// needs them) but are noise on the page; each exported cell shows a small badge instead.
+document.addEventListener("DOMContentLoaded", () => {
+  document.querySelectorAll("div.cell_input pre").forEach((pre) => {
+    const directives = [];
+    // Pygments renders each directive as one comment span followed by a newline.
+    while (pre.firstChild) {
+      const node = pre.firstChild;
+      const text = node.textContent;
+      if (node.nodeType === Node.ELEMENT_NODE && /^#\|/.test(text)) {
+        directives.push(text.slice(2).trim());
+        pre.removeChild(node);
+        if (pre.firstChild && pre.firstChild.nodeType === Node.TEXT_NODE) {
+          pre.firstChild.textContent = pre.firstChild.textContent.replace(/^\n/, "");
+          if (!pre.firstChild.textContent) pre.removeChild(pre.firstChild);
+        }
+      } else {
+        break;
+      }
+    }
+    const exported = directives.filter((d) => d.startsWith("export"));
+    if (!exported.length) return;
+    const module = exported[0].split(/\s+/)[1];
+    const badge = document.createElement("div");
+    badge.className = "minipaged-export";
+    badge.textContent = module ? `exported to minipaged.${module}` : "exported to the package";
+    badge.title = "This cell starts with #| export: make tangle writes it into the package.";
+    pre.closest("div.cell_input").before(badge);
+  });
+});
