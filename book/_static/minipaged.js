@@ -1,6 +1,7 @@
 // minipaged: the "#| export" and "#| default_exp" lines stay in the chapters' source (tangle
 // needs them) but are noise on the page; each exported cell shows a small badge instead.
 document.addEventListener("DOMContentLoaded", () => {
+  let defaultModule = null; // set by the chapter's "#| default_exp NAME" line
   document.querySelectorAll("div.cell_input pre").forEach((pre) => {
     const directives = [];
     // Pygments renders each directive as one comment span followed by a newline.
@@ -18,9 +19,11 @@ document.addEventListener("DOMContentLoaded", () => {
         break;
       }
     }
+    directives.filter((d) => d.startsWith("default_exp"))
+      .forEach((d) => { defaultModule = d.split(/\s+/)[1] || defaultModule; });
     const exported = directives.filter((d) => d.startsWith("export"));
     if (!exported.length) return;
-    const module = exported[0].split(/\s+/)[1];
+    const module = exported[0].split(/\s+/)[1] || defaultModule;
     const badge = document.createElement("div");
     badge.className = "minipaged-export";
     badge.textContent = module ? `exported to minipaged.${module}` : "exported to the package";
