@@ -76,7 +76,9 @@ async () => {
     const column = (document.querySelector("article") || section).getBoundingClientRect();
     const tables = Array.from(section.querySelectorAll("table"));
     const wide = [];
-    for (const el of section.querySelectorAll("table, pre, .cell_output, .output")) {
+    // What a reader sees: tables and outputs (folded code cells are not shown, so not measured).
+    for (const el of section.querySelectorAll("table, .cell_output pre, .output pre, .cell_output")) {
+      if (el.closest(".cell_input") || (el.checkVisibility && !el.checkVisibility())) continue;
       const box = el.getBoundingClientRect();
       if (box.right > column.right + 1 || el.scrollWidth > el.clientWidth + 1) {
         wide.push(`${el.tagName.toLowerCase()}.${el.className}: ${Math.round(box.width)} px` +
@@ -150,7 +152,13 @@ def pages_of(root: Path) -> list[str]:
     skip = {"genindex.html", "search.html", "py-modindex.html"}
     return sorted(p.relative_to(root).as_posix() for p in root.rglob("*.html")
                   if p.relative_to(root).parts[0] not in {"_static", "_sources", "_images"}
-                  and p.name not in skip)
+                  and p.name not in skip and not _is_redirect(p))
+
+
+def _is_redirect(path: Path) -> bool:
+    """A stub that only sends the browser elsewhere (the book's index.html is one)."""
+    head = path.read_text(errors="replace")[:500].lower()
+    return 'http-equiv="refresh"' in head and "<body" not in head
 
 
 def check_page(page, base: str, path: str, screenshots: Path | None) -> PageReport:
@@ -176,6 +184,8 @@ def check_page(page, base: str, path: str, screenshots: Path | None) -> PageRepo
     report.problems += [f"raw TeX in text: {text!r}" for text in result["rawTex"]
                         if RAW_TEX.search(text)]
     chapter = CHAPTER_PAGE.match(path)
+    if chapter and result["wideCode"]:
+        report.problems.append(f"{result['wideCode']} code cell(s) wider than the page at {WIDTH} px")
     if chapter:
         notebook = Path(path).with_suffix(".ipynb").name
         if not any(notebook in href for href in result["colab"]):

@@ -31,3 +31,17 @@ document.addEventListener("DOMContentLoaded", () => {
     pre.closest("div.cell_input").before(badge);
   });
 });
+
+// The download menu's .ipynb is the chapter as executed by the build, outputs included (the
+// build copies it to _executed/; see book/_ext/minipaged_book.py). The repository's twin, the
+// one Colab opens, carries no outputs on purpose: the build regenerates them.
+document.addEventListener("DOMContentLoaded", () => {
+  document.querySelectorAll("a.btn-download-notebook-button").forEach((link) => {
+    const href = link.getAttribute("href") || "";
+    if (!href.includes("_sources/chapters/")) return;
+    link.setAttribute("href", href.replace("_sources/chapters/", "_executed/chapters/"));
+    link.setAttribute("title", "Download the notebook as executed for this page, with its outputs");
+    const text = link.querySelector(".btn__text-container");
+    if (text) text.textContent = ".ipynb (executed)";
+  });
+});
