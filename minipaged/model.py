@@ -206,6 +206,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x divided by the root mean square of its last dimension, times the learned weight."""
         x32 = x.float()  # the mean of squares in fp16 would overflow on large activations
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
@@ -252,6 +253,8 @@ class Qwen2Attention(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 metadata: AttentionMetadata, kv_cache_layer: torch.Tensor) -> torch.Tensor:
+        """One step's attention: write the new keys and values at metadata.slot_mapping, then
+        attend from each token over its sequence's cache through metadata.block_tables."""
         q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], -1)
         q = apply_rotary(q.reshape(-1, self.num_heads, self.head_dim), cos, sin)
         k = apply_rotary(k.reshape(-1, self.num_kv_heads, self.head_dim), cos, sin)
@@ -272,6 +275,7 @@ class Qwen2MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The gated feed-forward: down_proj(silu(gate) * up), for every token independently."""
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -287,6 +291,7 @@ class Qwen2DecoderLayer(nn.Module):
         self.mlp = Qwen2MLP(config)
 
     def forward(self, hidden_states, cos, sin, metadata, kv_cache_layer):
+        """One pre-norm layer: attention, then the MLP, each added back to hidden_states."""
         attended = self.self_attn(self.input_layernorm(hidden_states), cos, sin, metadata,
                                   kv_cache_layer)
         hidden_states = hidden_states + attended
@@ -306,6 +311,7 @@ class Qwen2Model(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, metadata: AttentionMetadata,
                 kv_cache_layers: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Final hidden states [T, hidden_size] of the step's tokens, one cache layer per layer."""
         cos, sin = self.rotary_emb(metadata.positions)  # once per step, shared by every layer
         hidden_states = self.embed_tokens(input_ids)
         for layer, kv_cache_layer in zip(self.layers, kv_cache_layers):
@@ -411,6 +417,8 @@ class Qwen2ForCausalLM(nn.Module):
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, metadata: AttentionMetadata,
                 kv_cache: KVCache) -> torch.Tensor:
+        """fp32 logits for the tokens metadata.logits_indices names (all tokens when None),
+        after checking that input_ids, metadata and kv_cache fit together."""
         _check_inputs(self.config, input_ids, metadata, kv_cache)
         hidden_states = self.model(input_ids, metadata, kv_cache.layers)
         if metadata.logits_indices is not None:  # usually one token per sequence
