@@ -35,12 +35,17 @@ CLEAN = {
     "colab": '<a href="https://colab.research.google.com/github/x/y/blob/main/chapters/'
              '01_demo.ipynb">Colab</a>',
     "link": '<a href="../index.html#top">home</a>',
+    "code": '<div class="cell_input"><pre>x = 1</pre></div>',
+    "alt": "",
 }
 PLANTED = {
     "image": ('<img src="../_images/missing.png" alt="a plot">', "broken image"),
     "math": (r"<p>The cache is \(2 \times n\) bytes.</p>", "raw TeX"),
-    "table": ('<pre style="white-space: pre">' + "quantity " * 60 + "</pre>",
-              "wider than the column"),
+    "table": ('<div class="cell_output"><table><tr><td style="white-space: nowrap">'
+              + "quantity " * 60 + "</td></tr></table></div>", "wider than the column"),
+    "code": ('<div class="cell_input"><pre style="white-space: pre; overflow-x: auto">'
+             + "x = 1; " * 40 + "</pre></div>", "code cell(s) wider than the page"),
+    "alt": ('<img src="../_images/plot.png" alt="0f3a9c2b7d1e4a5b6c7d8e9f">', "without alt text"),
     "script": ("<script>console.error('boom')</script>", "console error"),
     "colab": ("", "no Colab link"),
     "link": ('<a href="../missing.html">nowhere</a>', "broken link"),
@@ -54,10 +59,12 @@ def write_book(root: Path, **parts: str) -> None:
     (root / "_images").mkdir()
     (root / "_images" / "plot.png").write_bytes(PNG)
     (root / "index.html").write_text(
-        '<html><body><main id="top"><a href="chapters/01_demo.html">chapter</a></main></body></html>')
+        '<html><body><main id="top"><a href="chapters/01_demo.html">chapter</a></main>'
+        '</body></html>')
     (root / "chapters" / "01_demo.html").write_text(f"""<html><head>
 <style>article {{ width: 600px; }}</style>{body['script']}</head><body><article>
 <section id="demo"><h1>1. Demo</h1>{body['colab']}{body['image']}{body['math']}{body['link']}
+{body['code']}{body['alt']}
 <section id="what-we-measured"><h2>What we measured</h2>{body['table']}</section>
 </section></article></body></html>""")
 

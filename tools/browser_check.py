@@ -76,13 +76,15 @@ async () => {
     const column = (document.querySelector("article") || section).getBoundingClientRect();
     const tables = Array.from(section.querySelectorAll("table"));
     const wide = [];
-    // What a reader sees: tables and outputs (folded code cells are not shown, so not measured).
-    for (const el of section.querySelectorAll("table, .cell_output pre, .output pre, .cell_output")) {
+    // What a reader sees: tables and outputs (folded code cells are not shown, not measured).
+    const shown = "table, .cell_output pre, .output pre, .cell_output";
+    for (const el of section.querySelectorAll(shown)) {
       if (el.closest(".cell_input") || (el.checkVisibility && !el.checkVisibility())) continue;
       const box = el.getBoundingClientRect();
       if (box.right > column.right + 1 || el.scrollWidth > el.clientWidth + 1) {
         wide.push(`${el.tagName.toLowerCase()}.${el.className}: ${Math.round(box.width)} px` +
-                  ` (scroll ${el.scrollWidth} > ${el.clientWidth}), column ${Math.round(column.width)} px`);
+                  ` (scroll ${el.scrollWidth} > ${el.clientWidth}),` +
+                  ` column ${Math.round(column.width)} px`);
       }
     }
     measured = {tables: tables.length, wide: wide, id: section.id || ""};
@@ -185,7 +187,8 @@ def check_page(page, base: str, path: str, screenshots: Path | None) -> PageRepo
                         if RAW_TEX.search(text)]
     chapter = CHAPTER_PAGE.match(path)
     if chapter and result["wideCode"]:
-        report.problems.append(f"{result['wideCode']} code cell(s) wider than the page at {WIDTH} px")
+        report.problems.append(
+            f"{result['wideCode']} code cell(s) wider than the page at {WIDTH} px")
     if chapter:
         notebook = Path(path).with_suffix(".ipynb").name
         if not any(notebook in href for href in result["colab"]):
@@ -274,7 +277,8 @@ def run(root: Path, screenshots: Path | None, install: bool = True) -> int:
     summary = {"pages": len(reports), "problems": problems, **totals}
     if screenshots is not None:
         (screenshots / "report.json").write_text(json.dumps(summary, indent=1))
-    print(f"browser-check: {len(problems)} problem(s)" if problems else "browser-check: all pages pass")
+    print(f"browser-check: {len(problems)} problem(s)" if problems
+          else "browser-check: all pages pass")
     return len(problems)
 
 
