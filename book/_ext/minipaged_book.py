@@ -19,17 +19,20 @@ logger = logging.getLogger(__name__)
 def _one_of_each_script(app, pagename, templatename, context, doctree) -> None:
     scripts, seen = [], set()
     for script in context.get("script_files", []):
-        key = (str(script), tuple(sorted(getattr(script, "attributes", {}).items())))
+        # An inline script is registered once with filename None and once with "": one script.
+        filename = getattr(script, "filename", script) or ""
+        key = (str(filename), tuple(sorted(getattr(script, "attributes", {}).items())))
         if key not in seen:
             seen.add(key)
             scripts.append(script)
-    context["script_files"] = scripts
+    # In place: handlers that run later (MathJax's) add to this same list for this page.
+    context["script_files"][:] = scripts
 
 
 def _default_mode(app, config) -> None:
-    options = dict(config.html_theme_options or {})
-    options.setdefault("default_mode", "light")
-    config.html_theme_options = options
+    context = dict(config.html_context or {})  # pydata-sphinx-theme reads it from the context
+    context.setdefault("default_mode", "light")
+    config.html_context = context
 
 
 def _copy_executed_notebooks(app, exception) -> None:
@@ -47,6 +50,7 @@ def _copy_executed_notebooks(app, exception) -> None:
 
 def setup(app):
     app.connect("config-inited", _default_mode)
-    app.connect("html-page-context", _one_of_each_script, priority=900)
+    app.connect("html-page-context", _one_of_each_script, priority=100)  # before any handler
+    # that returns a template, which would stop the event (Sphinx emits it "first result")
     app.connect("build-finished", _copy_executed_notebooks)
     return {"parallel_read_safe": True, "parallel_write_safe": True}
