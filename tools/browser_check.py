@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 WIDTH, HEIGHT = 1280, 900
+# The theme's sticky header and skip link would cover part of a section's screenshot.
+STICKY_HIDDEN = ".skip-link, .bd-header, .bd-header-article { visibility: hidden !important; }"
 CHAPTER_PAGE = re.compile(r"^chapters/\d\d_[a-z0-9_]+\.html$")
 # Text that only appears when TeX was not turned into math.
 RAW_TEX = re.compile(r"\\\(|\\\)|\\\[|\\\]|\$\$|\\(?:frac|text|times|mathrm|left|right|lfloor|"
@@ -211,7 +213,8 @@ def check_page(page, base: str, path: str, screenshots: Path | None) -> PageRepo
         if measured is not None:
             locator = page.locator("section:has(> h2:has-text('What we measured'))").first
             if locator.count():
-                locator.screenshot(path=str(screenshots / f"{stem}_measured.png"))
+                locator.screenshot(path=str(screenshots / f"{stem}_measured.png"),
+                                   style=STICKY_HIDDEN)
     return report
 
 
