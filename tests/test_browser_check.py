@@ -94,3 +94,14 @@ def test_text_table_is_not_a_table(tmp_path):
     """A fixed-width text table that fits still fails: the section needs a real table."""
     write_book(tmp_path / "html", table="<pre>bytes  12 KiB  12 KiB</pre>")
     assert any("no real table" in p for p in check(tmp_path / "html", tmp_path))
+
+
+def test_long_code_lines_are_found_without_a_browser(tmp_path):
+    """The static half of the width check: code lines, not YAML options or prose, are measured."""
+    long = "x = " + "1 + " * 30 + "1"
+    (tmp_path / "01_demo.md").write_text(
+        "Prose may run long: " + "words " * 40 + "\n"
+        "```{code-cell} ipython3\n---\nmystnb:\n  figure:\n    caption: \"" + "c" * 150 + "\"\n"
+        "---\nshort = 1\n" + long + "\n```\n")
+    problems = browser_check.long_code_lines(tmp_path)
+    assert len(problems) == 1 and "01_demo.md:8" in problems[0], problems

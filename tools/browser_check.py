@@ -11,6 +11,8 @@ other host blocked, so the book is read as it would be offline. A page fails on:
   chapter whose "What we measured" section has no real table;
 - a console error, an uncaught exception, or a failed request to the book's own files;
 - a chapter page without its Colab link (to the chapter's own notebook);
+- a code cell wider than the page at 1280 px, or a chapter code line over 100 columns;
+- an image without real alt text (none, or an image hash);
 - a broken internal link (to a page or file that is not in the build, or to a missing anchor).
 
 Screenshots of each chapter (its top, and its "What we measured" section) go to the screenshot
@@ -36,6 +38,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 WIDTH, HEIGHT = 1280, 900
+# Columns of code a chapter code cell shows without scrolling at 1280 px
+# (book/_static/minipaged.css sets the code font so that ruff's 100 columns fit).
+CODE_COLUMNS = 100
 # The theme's sticky header and skip link would cover part of a section's screenshot.
 STICKY_HIDDEN = ".skip-link, .bd-header, .bd-header-article { visibility: hidden !important; }"
 CHAPTER_PAGE = re.compile(r"^chapters/\d\d_[a-z0-9_]+\.html$")
@@ -237,7 +242,26 @@ def check_links(root: Path, base: str, reports: dict[str, PageReport]) -> list[s
     return problems
 
 
-def run(root: Path, screenshots: Path | None, install: bool = True) -> int:
+def long_code_lines(chapters: Path, limit: int = CODE_COLUMNS) -> list[str]:
+    """Lines of the chapters' code cells longer than the page shows at 1280 px (no browser)."""
+    problems = []
+    for source in sorted(chapters.glob("*.md")):
+        in_cell = in_options = False
+        for number, line in enumerate(source.read_text().splitlines(), 1):
+            if line.startswith("```{code-cell}"):
+                in_cell, in_options = True, False
+            elif in_cell and line == "```":
+                in_cell = False
+            elif in_cell and line == "---":
+                in_options = not in_options  # the cell's YAML options, not code
+            elif in_cell and not in_options and len(line) > limit:
+                problems.append(f"{source.name}:{number}: code line of {len(line)} columns "
+                                f"(the page shows {limit})")
+    return problems
+
+
+def run(root: Path, screenshots: Path | None, install: bool = True,
+        chapters: Path | None = None) -> int:
     """Check every page under root; print a report; return the number of problems."""
     from playwright.sync_api import sync_playwright
 
@@ -268,6 +292,8 @@ def run(root: Path, screenshots: Path | None, install: bool = True) -> int:
         server.shutdown()
     problems = [f"{path}: {p}" for path, r in reports.items() for p in r.problems]
     problems += check_links(root, base, reports)
+    if chapters is not None and chapters.is_dir():
+        problems += long_code_lines(chapters)
     totals = {key: sum(r.stats.get(key, 0) for r in reports.values())
               for key in ("codeCells", "wideCode", "outputs", "wideOutputs")}
     print(f"browser-check: {len(reports)} pages at {WIDTH} px; code cells wider than the page "
@@ -289,10 +315,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("root", nargs="?", default="_build/html", type=Path)
     parser.add_argument("--screenshots", default="_build/screenshots", type=Path)
+    parser.add_argument("--chapters", default="chapters", type=Path,
+                        help="the chapters' sources, whose code lines are held to the page width")
     parser.add_argument("--no-install", action="store_true",
                         help="fail instead of installing chromium with apt-get")
     args = parser.parse_args(argv)
-    return 1 if run(args.root, args.screenshots, install=not args.no_install) else 0
+    return 1 if run(args.root, args.screenshots, install=not args.no_install,
+                    chapters=args.chapters) else 0
 
 
 if __name__ == "__main__":
