@@ -104,4 +104,4 @@ def test_long_code_lines_are_found_without_a_browser(tmp_path):
         "```{code-cell} ipython3\n---\nmystnb:\n  figure:\n    caption: \"" + "c" * 150 + "\"\n"
         "---\nshort = 1\n" + long + "\n```\n")
     problems = browser_check.long_code_lines(tmp_path)
-    assert len(problems) == 1 and "01_demo.md:8" in problems[0], problems
+    assert len(problems) == 1 and "01_demo.md:9" in problems[0], problems
