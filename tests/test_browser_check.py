@@ -1,11 +1,13 @@
-"""The browser check fails on each planted defect, and passes the same pages without them.
+"""The browser check fails on each planted defect, and passes the same page without them.
 
 The pages are tiny hand-written HTML in a temporary folder, so this needs no book build, only
 Debian's chromium and the playwright package (`make browser-check` installs both; elsewhere the
-test is skipped unless MINIPAGED_REQUIRE_BROWSER is set, as it is in that target).
+test is skipped unless MINIPAGED_REQUIRE_BROWSER is set, as it is in that target). One fixture
+book holds a clean chapter and one chapter per defect, so the browser starts once.
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -15,12 +17,6 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import browser_check  # noqa: E402
-
-REQUIRED = bool(os.environ.get("MINIPAGED_REQUIRE_BROWSER"))
-if not REQUIRED:
-    pytest.importorskip("playwright.sync_api")
-    if not (shutil.which("chromium") or shutil.which("chromium-browser")):
-        pytest.skip("Debian's chromium is not installed", allow_module_level=True)
 
 PNG = bytes.fromhex(  # a 1x1 PNG
     "89504e470d0a1a0a0000000d49484452000000010000000108060000001f15c489"
@@ -32,68 +28,80 @@ CLEAN = {
     "table": "<table><tr><th></th><th>study</th><th>minipaged</th></tr>"
              "<tr><td>bytes</td><td>12 KiB</td><td>12 KiB</td></tr></table>",
     "script": "",
-    "colab": '<a href="https://colab.research.google.com/github/x/y/blob/main/chapters/'
-             '01_demo.ipynb">Colab</a>',
+    "colab": True,
     "link": '<a href="../index.html#top">home</a>',
     "code": '<div class="cell_input"><pre>x = 1</pre></div>',
     "alt": "",
 }
+# defect: (what replaces the clean part, words the report must contain)
 PLANTED = {
     "image": ('<img src="../_images/missing.png" alt="a plot">', "broken image"),
     "math": (r"<p>The cache is \(2 \times n\) bytes.</p>", "raw TeX"),
     "table": ('<div class="cell_output"><table><tr><td style="white-space: nowrap">'
               + "quantity " * 60 + "</td></tr></table></div>", "wider than the column"),
+    "text_table": ("<pre>bytes  12 KiB  12 KiB</pre>", "no real table"),
+    "script": ("<script>console.error('boom')</script>", "console error"),
+    "colab": (False, "no Colab link"),
+    "link": ('<a href="../missing.html">nowhere</a>', "broken link"),
     "code": ('<div class="cell_input"><pre style="white-space: pre; overflow-x: auto">'
              + "x = 1; " * 40 + "</pre></div>", "code cell(s) wider than the page"),
     "alt": ('<img src="../_images/plot.png" alt="0f3a9c2b7d1e4a5b6c7d8e9f">', "without alt text"),
-    "script": ("<script>console.error('boom')</script>", "console error"),
-    "colab": ("", "no Colab link"),
-    "link": ('<a href="../missing.html">nowhere</a>', "broken link"),
 }
+PAGES = ["clean"] + sorted(PLANTED)
 
 
-def write_book(root: Path, **parts: str) -> None:
-    """A two-page book: an index and one chapter built from CLEAN, with `parts` swapped in."""
+def chapter(number: int, **parts) -> str:
+    """One chapter page built from CLEAN, with `parts` swapped in."""
     body = {**CLEAN, **parts}
+    stem = f"{number:02d}_demo"
+    colab = (f'<a href="https://colab.research.google.com/github/x/y/blob/main/chapters/'
+             f'{stem}.ipynb">Colab</a>' if body["colab"] else "")
+    return f"""<html><head>
+<style>article {{ width: 600px; }}</style>{body['script']}</head><body><article>
+<section id="demo"><h1>{number}. Demo</h1>{colab}{body['image']}{body['math']}{body['link']}
+{body['code']}{body['alt']}
+<section id="what-we-measured"><h2>What we measured</h2>{body['table']}</section>
+</section></article></body></html>"""
+
+
+@pytest.fixture(scope="module")
+def problems(tmp_path_factory) -> dict[str, list[str]]:
+    """Run the checker once over a book of one clean chapter and one chapter per defect."""
+    if not os.environ.get("MINIPAGED_REQUIRE_BROWSER"):
+        pytest.importorskip("playwright.sync_api")
+        if not (shutil.which("chromium") or shutil.which("chromium-browser")):
+            pytest.skip("Debian's chromium is not installed")
+    root = tmp_path_factory.mktemp("book") / "html"
     (root / "chapters").mkdir(parents=True)
     (root / "_images").mkdir()
     (root / "_images" / "plot.png").write_bytes(PNG)
-    (root / "index.html").write_text(
-        '<html><body><main id="top"><a href="chapters/01_demo.html">chapter</a></main>'
-        '</body></html>')
-    (root / "chapters" / "01_demo.html").write_text(f"""<html><head>
-<style>article {{ width: 600px; }}</style>{body['script']}</head><body><article>
-<section id="demo"><h1>1. Demo</h1>{body['colab']}{body['image']}{body['math']}{body['link']}
-{body['code']}{body['alt']}
-<section id="what-we-measured"><h2>What we measured</h2>{body['table']}</section>
-</section></article></body></html>""")
+    links = "".join(f'<a href="chapters/{n:02d}_demo.html">{n}</a>'
+                    for n in range(1, 1 + len(PAGES)))
+    (root / "index.html").write_text(f'<html><body><main id="top">{links}</main></body></html>')
+    for number, name in enumerate(PAGES, 1):
+        if name == "clean":
+            html = chapter(number)
+        else:
+            part = "table" if name == "text_table" else name
+            html = chapter(number, **{part: PLANTED[name][0]})
+        (root / "chapters" / f"{number:02d}_demo.html").write_text(html)
+    shots = root.parent / "shots"
+    count = browser_check.run(root, shots, install=False)
+    report = json.loads((shots / "report.json").read_text())["problems"]
+    assert count == len(report)
+    assert (shots / "01_demo.png").stat().st_size > 0  # a screenshot was saved
+    return {name: [p for p in report if p.startswith(f"chapters/{number:02d}_demo.html")]
+            for number, name in enumerate(PAGES, 1)}
 
 
-def check(root: Path, tmp_path: Path) -> list[str]:
-    shots = tmp_path / "shots"
-    browser_check.run(root, shots, install=False)
-    import json
-    return json.loads((shots / "report.json").read_text())["problems"]
-
-
-def test_clean_pages_pass(tmp_path):
-    write_book(tmp_path / "html")
-    assert check(tmp_path / "html", tmp_path) == []
-    assert (tmp_path / "shots" / "01_demo.png").stat().st_size > 0  # a screenshot was saved
+def test_clean_page_passes(problems):
+    assert problems["clean"] == []
 
 
 @pytest.mark.parametrize("defect", sorted(PLANTED))
-def test_each_planted_defect_fails(tmp_path, defect):
-    html, expected = PLANTED[defect]
-    write_book(tmp_path / "html", **{defect: html})
-    problems = check(tmp_path / "html", tmp_path)
-    assert any(expected in p for p in problems), problems
-
-
-def test_text_table_is_not_a_table(tmp_path):
-    """A fixed-width text table that fits still fails: the section needs a real table."""
-    write_book(tmp_path / "html", table="<pre>bytes  12 KiB  12 KiB</pre>")
-    assert any("no real table" in p for p in check(tmp_path / "html", tmp_path))
+def test_each_planted_defect_fails(problems, defect):
+    expected = PLANTED[defect][1]
+    assert any(expected in p for p in problems[defect]), problems[defect]
 
 
 def test_long_code_lines_are_found_without_a_browser(tmp_path):
