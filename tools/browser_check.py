@@ -41,8 +41,6 @@ WIDTH, HEIGHT = 1280, 900
 # Columns of code a chapter code cell shows without scrolling at 1280 px
 # (book/_static/minipaged.css sets the code font so that ruff's 100 columns fit).
 CODE_COLUMNS = 100
-# The theme's sticky header and skip link would cover part of a section's screenshot.
-STICKY_HIDDEN = ".skip-link, .bd-header, .bd-header-article { visibility: hidden !important; }"
 CHAPTER_PAGE = re.compile(r"^chapters/\d\d_[a-z0-9_]+\.html$")
 # Text that only appears when TeX was not turned into math.
 RAW_TEX = re.compile(r"\\\(|\\\)|\\\[|\\\]|\$\$|\\(?:frac|text|times|mathrm|left|right|lfloor|"
@@ -215,11 +213,11 @@ def check_page(page, base: str, path: str, screenshots: Path | None) -> PageRepo
         stem = Path(path).stem
         page.set_viewport_size({"width": WIDTH, "height": HEIGHT})
         page.screenshot(path=str(screenshots / f"{stem}.png"))
-        if measured is not None:
-            locator = page.locator("section:has(> h2:has-text('What we measured'))").first
-            if locator.count():
-                locator.screenshot(path=str(screenshots / f"{stem}_measured.png"),
-                                   style=STICKY_HIDDEN)
+        if measured is not None and measured["id"]:
+            # The window as a reader sees it, scrolled to the closing table.
+            page.evaluate("id => document.getElementById(id).scrollIntoView()", measured["id"])
+            page.wait_for_timeout(200)
+            page.screenshot(path=str(screenshots / f"{stem}_measured.png"))
     return report
 
 
