@@ -133,7 +133,8 @@ def find_chromium(install: bool = True) -> str:
     print("browser-check: installing Debian's chromium with apt-get", flush=True)
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
     subprocess.run(["apt-get", "update", "-qq"], check=True, env=env)
-    subprocess.run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", "chromium"],
+    # fonts-liberation: the theme's monospace font, which the code-width check measures with.
+    subprocess.run(["apt-get", "install", "-y", "-qq", "chromium", "fonts-liberation"],
                    check=True, env=env, stdout=subprocess.DEVNULL)
     path = shutil.which("chromium")
     if not path:
