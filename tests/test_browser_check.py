@@ -46,6 +46,7 @@ PLANTED = {
     "code": ('<div class="cell_input"><pre style="white-space: pre; overflow-x: auto">'
              + "x = 1; " * 40 + "</pre></div>", "code cell(s) wider than the page"),
     "alt": ('<img src="../_images/plot.png" alt="0f3a9c2b7d1e4a5b6c7d8e9f">', "without alt text"),
+    "directive": ('<div class="cell_input"><pre>#| export\nx = 1</pre></div>', "#| lines"),
 }
 PAGES = ["clean"] + sorted(PLANTED)
 
@@ -82,7 +83,7 @@ def problems(tmp_path_factory) -> dict[str, list[str]]:
         if name == "clean":
             html = chapter(number)
         else:
-            part = "table" if name == "text_table" else name
+            part = {"text_table": "table", "directive": "code"}.get(name, name)
             html = chapter(number, **{part: PLANTED[name][0]})
         (root / "chapters" / f"{number:02d}_demo.html").write_text(html)
     shots = root.parent / "shots"

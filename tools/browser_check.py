@@ -13,6 +13,7 @@ other host blocked, so the book is read as it would be offline. A page fails on:
 - a chapter page without its Colab link (to the chapter's own notebook);
 - a code cell wider than the page at 1280 px, or a chapter code line over 100 columns;
 - an image without real alt text (none, or an image hash);
+- a code cell that shows its `#| export` line (book/_static/minipaged.js hides them);
 - a broken internal link (to a page or file that is not in the build, or to a missing anchor).
 
 Screenshots of each chapter (its top, and its "What we measured" section) go to the screenshot
@@ -104,6 +105,8 @@ async () => {
     colab: Array.from(document.querySelectorAll("a[href*='colab.research.google.com']"))
       .map(a => a.href),
     codeCells: document.querySelectorAll(".cell_input pre").length,
+    directivesShown: Array.from(document.querySelectorAll(".cell_input pre"))
+      .filter(pre => /^\s*#\|/.test(pre.textContent)).length,
     wideCode: overflowing(".cell_input pre"),
     outputs: document.querySelectorAll(".cell_output pre").length,
     wideOutputs: overflowing(".cell_output pre"),
@@ -192,6 +195,8 @@ def check_page(page, base: str, path: str, screenshots: Path | None) -> PageRepo
     report.problems += [f"raw TeX in text: {text!r}" for text in result["rawTex"]
                         if RAW_TEX.search(text)]
     chapter = CHAPTER_PAGE.match(path)
+    if chapter and result["directivesShown"]:
+        report.problems.append(f"{result['directivesShown']} code cell(s) show their #| lines")
     if chapter and result["wideCode"]:
         report.problems.append(
             f"{result['wideCode']} code cell(s) wider than the page at {WIDTH} px")

@@ -4,16 +4,23 @@ document.addEventListener("DOMContentLoaded", () => {
   let defaultModule = null; // set by the chapter's "#| default_exp NAME" line
   document.querySelectorAll("div.cell_input pre").forEach((pre) => {
     const directives = [];
-    // Pygments renders each directive as one comment span followed by a newline.
-    while (pre.firstChild) {
-      const node = pre.firstChild;
+    // Pygments renders each directive as one comment span followed by a newline (after an
+    // empty span that Sphinx puts first).
+    let node = pre.firstChild;
+    while (node) {
+      const next = node.nextSibling;
       const text = node.textContent;
-      if (node.nodeType === Node.ELEMENT_NODE && /^#\|/.test(text)) {
+      if (text === "") {
+        node = next;
+      } else if (node.nodeType === Node.ELEMENT_NODE && /^#\|/.test(text)) {
         directives.push(text.slice(2).trim());
         pre.removeChild(node);
-        if (pre.firstChild && pre.firstChild.nodeType === Node.TEXT_NODE) {
-          pre.firstChild.textContent = pre.firstChild.textContent.replace(/^\n/, "");
-          if (!pre.firstChild.textContent) pre.removeChild(pre.firstChild);
+        node = next;
+        if (node && node.nodeType === Node.TEXT_NODE && node.textContent.startsWith("\n")) {
+          node.textContent = node.textContent.slice(1);
+          const after = node.nextSibling;
+          if (!node.textContent) pre.removeChild(node);
+          node = after;
         }
       } else {
         break;
