@@ -27,7 +27,8 @@ import numpy as np
 import torch
 
 from minipaged import LLM, SamplingParams
-from minipaged.model import ModelConfig, random_model, to_transformers
+from minipaged.huggingface import to_transformers
+from minipaged.model import ModelConfig, random_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -78,7 +79,8 @@ def main() -> None:
     cache = getattr(hf, "cache", None)
     hf_cache = cache_bytes(cache if cache is not None else hf.past_key_values)
 
-    llm = LLM(model=model, max_model_len=config.max_position_embeddings)
+    llm = LLM(model=model, max_model_len=config.max_position_embeddings,
+              enable_prefix_caching=False)  # the engine without chapter 8's cache
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     start = time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)

@@ -10,7 +10,8 @@ import torch
 import minipaged.engine
 import minipaged.scheduler
 from minipaged import LLM, SamplingParams
-from minipaged.model import ModelConfig, random_model, save_pretrained, to_transformers
+from minipaged.huggingface import save_pretrained, to_transformers
+from minipaged.model import ModelConfig, random_model
 
 MAX_TOKENS = 12
 LENGTHS = [3, 9, 17, 33, 5, 24]
@@ -168,18 +169,22 @@ def test_bad_prompt_is_refused_and_nothing_admitted_is_lost(model, problem):
     (dict(max_num_seqs=0), "max_num_seqs"),
     (dict(max_num_batched_tokens=0), "max_num_batched_tokens"),
     (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
-    (dict(enable_prefix_caching=True), "enable_prefix_caching"),
+    (dict(enable_prefix_caching="yes"), "enable_prefix_caching"),
 ])
 def test_bad_engine_options_name_the_field(model, options, field):
     with pytest.raises(ValueError, match=field):
         LLM(model=model, **options)
 
 
-def test_prefix_caching_is_refused_as_not_implemented(model):
-    with pytest.raises(ValueError, match="enable_prefix_caching=True: prefix caching is not "
-                                         "implemented yet"):
-        LLM(model=model, enable_prefix_caching=True)
-    assert minipaged.engine.KV_CACHE_MANAGERS == {False: minipaged.scheduler.KVCacheManager}
+def test_prefix_caching_is_on_by_default_as_in_vllm(model):
+    from minipaged.prefix_cache import PrefixCachingKVCacheManager
+
+    assert minipaged.engine.KV_CACHE_MANAGERS == {
+        False: minipaged.scheduler.KVCacheManager, True: PrefixCachingKVCacheManager}
+    assert type(LLM(model=model).llm_engine.scheduler.kv_cache_manager) is (
+        PrefixCachingKVCacheManager)
+    plain = LLM(model=model, enable_prefix_caching=False).llm_engine.scheduler.kv_cache_manager
+    assert type(plain) is minipaged.scheduler.KVCacheManager
 
 
 def test_sampling_params_list_must_match(model):
