@@ -5,6 +5,7 @@ from . import runtime  # noqa: F401  (first: it sets up Triton's interpreter on 
 from .engine import LLM
 from .sampling import SamplingParams
 from . import prefix_cache  # noqa: F401  (registers itself with the engine)
+from . import sharing  # noqa: F401  (registers itself with the engine)
 
 __version__ = "0.1.0"
 __all__ = ['LLM', 'SamplingParams']

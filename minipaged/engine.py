@@ -29,6 +29,10 @@ from minipaged.scheduler import KVCacheManager, Request, Scheduler, needs_sample
 # Which KV cache manager serves LLM(enable_prefix_caching=...). Chapter 8's module registers the
 # prefix-caching manager under True; importing minipaged imports it.
 KV_CACHE_MANAGERS: dict[bool, type[KVCacheManager]] = {False: KVCacheManager}
+# How SamplingParams(n > 1) is served, by LLM(parallel_sampling=...): chapter 10's module
+# registers "split" and "fork", classes built with the engine that fan a prompt out into n child
+# requests (add_request) and may give children a sampled row (before_sampling).
+PARALLEL_SAMPLING: dict[str, type] = {}
 
 
 class LLMEngine:
@@ -37,7 +41,8 @@ class LLMEngine:
     def __init__(self, model: Qwen2ForCausalLM, num_gpu_blocks: int, block_size: int = 16,
                  max_model_len: int | None = None, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 2048, seed: int = 0,
-                 kv_cache_manager_class: type[KVCacheManager] = KVCacheManager) -> None:
+                 kv_cache_manager_class: type[KVCacheManager] = KVCacheManager,
+                 parallel_sampling: str = "split") -> None:
         config, param = model.config, next(model.parameters())
         check_block_size(block_size)
         self.max_model_len = check_integer("max_model_len",
@@ -62,6 +67,10 @@ class LLMEngine:
                                    self.max_model_len)
         self.requests: dict[str, Request] = {}
         self.num_steps = self.num_computed_tokens = self.peak_num_used_blocks = 0
+        if parallel_sampling not in PARALLEL_SAMPLING:  # chapter 10: how n > 1 is served
+            raise ValueError(f"parallel_sampling must be one of {sorted(PARALLEL_SAMPLING)}, "
+                             f"got {parallel_sampling!r}")
+        self.parallel_sampling = PARALLEL_SAMPLING[parallel_sampling](self)
 
 
 def _check_prompt(self: LLMEngine, prompt_token_ids) -> list[int]:
@@ -90,6 +99,8 @@ def _add_request(self: LLMEngine, request_id: str, prompt_token_ids: list[int],
     if request_id in self.requests:
         raise ValueError(f"request_id {request_id!r} is already in the engine")
     tokens = self.check_prompt(prompt_token_ids)
+    if sampling_params.n > 1:  # n child requests under one parent (chapter 10)
+        return self.parallel_sampling.add_request(request_id, tokens, sampling_params)
     generator = None
     if not sampling_params.greedy:  # its own random stream: same seed, same answer
         seed = sampling_params.seed
@@ -124,18 +135,20 @@ def _step(self: LLMEngine) -> list[Request]:
     with torch.inference_mode():
         logits = self.model(input_ids, metadata, self.kv_cache)  # one row per request
     rows = [i for i, (r, n) in enumerate(zip(requests, counts)) if needs_sample(r, n)]
-    tokens = sample(logits[rows], [requests[i].sampling_params for i in rows],
-                    [requests[i].generator for i in rows]) if rows else []
+    sampled = [requests[i] for i in rows]  # the request each row of logits[rows] samples for
+    rows, sampled = self.parallel_sampling.before_sampling(out, rows, sampled)  # chapter 10
+    tokens = sample(logits[rows], [r.sampling_params for r in sampled],
+                    [r.generator for r in sampled]) if rows else []
     used = self.pool.num_blocks - self.pool.get_num_free_blocks()
     self.peak_num_used_blocks = max(self.peak_num_used_blocks, used)
     self.num_steps += 1
     self.num_computed_tokens += sum(counts)
     self.scheduler.update_from_output(
-        out, {requests[i].request_id: token for i, token in zip(rows, tokens)})
-    for request in requests:
+        out, {r.request_id: token for r, token in zip(sampled, tokens)})
+    for request in out.scheduled_requests:
         if request.status.finished:
             del self.requests[request.request_id]
-    return [requests[i] for i in rows]
+    return sampled
 
 
 def _has_unfinished_requests(self: LLMEngine) -> bool:
@@ -262,7 +275,8 @@ class LLM:
                  num_gpu_blocks_override: int | None = None,
                  kv_cache_memory_bytes: int | None = None, max_model_len: int | None = None,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
-                 enable_prefix_caching: bool = True, attention_backend: str = "auto") -> None:
+                 enable_prefix_caching: bool = True, attention_backend: str = "auto",
+                 parallel_sampling: str = "split") -> None:
         check_block_size(block_size)
         if not isinstance(enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be True or False, "
@@ -279,7 +293,7 @@ class LLM:
             kv_cache_memory_bytes)
         self.llm_engine = LLMEngine(self.model, num_blocks, block_size, max_model_len,
                                     max_num_seqs, max_num_batched_tokens, seed,
-                                    KV_CACHE_MANAGERS[enable_prefix_caching])
+                                    KV_CACHE_MANAGERS[enable_prefix_caching], parallel_sampling)
         self._next_id = 0
 
     def get_tokenizer(self):
@@ -335,26 +349,45 @@ LLM._queue_prompts = _queue_prompts
 
 
 def _output(self: LLM, request: Request, new_token_ids: list[int]) -> RequestOutput:
-    """A RequestOutput holding the given tokens of a request, with its metrics."""
+    """A RequestOutput holding the given tokens of a request, with its metrics; a child of an
+    n > 1 prompt (chapter 10) reports under its parent's id, with its own index."""
     decode = self.tokenizer.decode if self.tokenizer is not None else (lambda ids, **_: "")
     finished = request.status.finished
-    completion = CompletionOutput(0, decode(new_token_ids, skip_special_tokens=True),
+    parent = getattr(request, "parent", request)
+    completion = CompletionOutput(getattr(request, "index", 0),
+                                  decode(new_token_ids, skip_special_tokens=True),
                                   list(new_token_ids), request.status.finish_reason,
                                   request.stop_reason)
     metrics = RequestMetrics(request.arrival_time, request.first_token_time,
                              request.finished_time, request.num_preemptions,
                              request.num_output_tokens)
-    return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
+    return RequestOutput(parent.request_id, request.prompt, request.prompt_token_ids,
                          [completion], finished, metrics, request.num_cached_tokens)
 
 
+def child_requests(entry) -> list[Request]:
+    """The engine requests of one queued prompt: the request itself, or the n children of a
+    prompt with n > 1 (chapter 10's ParentRequest)."""
+    return list(getattr(entry, "child_requests", [entry]))
+
+
+def _final_output(self: LLM, entry) -> RequestOutput:
+    """One prompt's whole answer: one output holding its completions in index order."""
+    outputs = [self._output(r, r.output_token_ids) for r in child_requests(entry)]
+    merged = outputs[0]
+    merged.outputs = [o.outputs[0] for o in outputs]
+    merged.finished = all(o.finished for o in outputs)
+    return merged
+
+
 LLM._output = _output
+LLM._final_output = _final_output
 
 
 def _stream(self: LLM, prompts, sampling_params=None) -> Iterator[RequestOutput]:
     """Yield an output carrying each new token as soon as it is produced."""
     requests = self._queue_prompts(prompts, sampling_params)
-    pending = {r.request_id: r for r in requests}
+    pending = {r.request_id: r for entry in requests for r in child_requests(entry)}
     try:
         while pending:
             for request in self.llm_engine.step():
@@ -374,15 +407,15 @@ def _generate(self: LLM, prompts, sampling_params=None, use_tqdm: bool = True
     from tqdm.auto import tqdm
 
     requests = self._queue_prompts(prompts, sampling_params)
-    ids = {r.request_id for r in requests}
-    with tqdm(total=len(requests), desc="Processed prompts", disable=not use_tqdm) as bar:
-        left = len(requests)
+    ids = {r.request_id for entry in requests for r in child_requests(entry)}
+    with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm) as bar:
+        left = len(ids)
         while left:
             for request in self.llm_engine.step():
                 if request.status.finished and request.request_id in ids:
                     left -= 1
                     bar.update(1)
-    return [self._output(r, r.output_token_ids) for r in requests]
+    return [self._final_output(entry) for entry in requests]
 
 
 LLM.stream, LLM.generate = _stream, _generate

@@ -9,7 +9,7 @@ from minipaged.sampling import SamplingParams, filter_top_k_top_p, sample
 
 @pytest.mark.parametrize("field, value", [("max_tokens", 0), ("max_tokens", -3),
                                           ("temperature", -0.1), ("top_p", 0.0),
-                                          ("top_p", 1.01), ("top_k", -2), ("n", 2)])
+                                          ("top_p", 1.01), ("top_k", -2), ("n", 0)])
 def test_bad_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})

@@ -29,7 +29,7 @@ DIRECTIVE = re.compile(r"^#\|\s*(default_exp|export)\b\s*(\S*)\s*$")
 MODULE_NAME = re.compile(r"^[a-z_][a-z0-9_]*$")
 
 # The package's public surface: names re-exported by minipaged/__init__.py, module by module.
-PUBLIC = {"engine": ["LLM"], "sampling": ["SamplingParams"], "prefix_cache": []}
+PUBLIC = {"engine": ["LLM"], "sampling": ["SamplingParams"], "prefix_cache": [], "sharing": []}
 
 
 @dataclass
