@@ -159,6 +159,7 @@ def _copy_on_write_allocate_slots(self, request: Request, num_new_tokens: int,
             table.blocks[index] = copy
             self.pool.free([source])  # one owner fewer; the others still hold it
             self.num_copied_blocks += 1
+            self.copies.append((source.block_id, copy.block_id))
     return super(self.copy_on_write_class, self).allocate_slots(request, num_new_tokens,
                                                                 new_computed_blocks)
 
@@ -182,16 +183,23 @@ def _copy_on_write_stats(self) -> dict[str, int]:
 _COPY_ON_WRITE_CLASSES: dict[type, type] = {}
 
 
+def _copy_on_write_init(self, pool) -> None:
+    super(self.copy_on_write_class, self).__init__(pool)
+    self.kv_cache: KVCache | None = None  # the engine's cache, where the copies are made
+    self.num_copied_blocks = 0
+    self.copies: list[tuple[int, int]] = []  # (source, copy) block ids, in order
+
+
 def copy_on_write_manager(base: type[KVCacheManager]) -> type[KVCacheManager]:
     """base with fork, copy-on-write in allocate_slots and the write check in get_block_table."""
     if base not in _COPY_ON_WRITE_CLASSES:
         cls = type(f"CopyOnWrite{base.__name__}", (base,), {
             "__doc__": f"{base.__name__} whose forked children copy a shared block before "
                        "writing into it.",
-            "fork": _fork, "shared_write_targets": _shared_write_targets,
+            "__init__": _copy_on_write_init, "fork": _fork,
+            "shared_write_targets": _shared_write_targets,
             "allocate_slots": _copy_on_write_allocate_slots,
-            "get_block_table": _checked_block_table, "stats": _copy_on_write_stats,
-            "num_copied_blocks": 0, "kv_cache": None})
+            "get_block_table": _checked_block_table, "stats": _copy_on_write_stats})
         cls.copy_on_write_class = cls
         _COPY_ON_WRITE_CLASSES[base] = cls
     return _COPY_ON_WRITE_CLASSES[base]
