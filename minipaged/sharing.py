@@ -10,9 +10,17 @@ import torch
 import triton
 import triton.language as tl
 
-from minipaged.blocks import BlockTable
+from minipaged.blocks import BlockTable, KVCacheBlock
 from minipaged.engine import PARALLEL_SAMPLING, LLMEngine
 from minipaged.kv_cache import KVCache
+from minipaged.memory import check_integer
+from minipaged.prefix_cache import (
+    NONE_HASH,
+    PrefixCachingKVCacheManager,
+    encode_extra_key,
+    generate_block_hash_extra_keys,
+    update_block_hashes,
+)
 from minipaged.sampling import SamplingParams
 from minipaged.scheduler import KVCacheManager, Request, RequestStatus, SchedulerOutput
 
@@ -250,3 +258,127 @@ def _before_sampling(self: ForkSampling, out: SchedulerOutput, rows: list[int],
 ForkSampling.before_sampling = _before_sampling
 PARALLEL_SAMPLING["split"] = SplitSampling  # LLM(parallel_sampling="split"), the default
 PARALLEL_SAMPLING["fork"] = ForkSampling
+
+
+class SubBlockPrefixCachingKVCacheManager(PrefixCachingKVCacheManager):
+    """Chapter 8's manager whose hits may end inside a block, at a multiple of
+    prefix_match_unit tokens, paid for with one block copy."""
+
+    prefix_match_unit = 16
+
+    def __init__(self, pool) -> None:
+        super().__init__(pool)
+        self.kv_cache: KVCache | None = None
+        self.children_of: dict[bytes, dict[bytes, tuple[int, ...]]] = {}  # parent -> child: tokens
+        self.pending: dict[str, tuple[KVCacheBlock, int]] = {}  # request -> (source, k)
+        self.num_sub_block_hits = self.num_sub_block_tokens = self.num_sub_block_copies = 0
+
+    def chain_key(self, request: Request, block_index: int) -> bytes:
+        """What block block_index of the request follows: its parent's hash, or the salted start."""
+        if block_index == 0:
+            return NONE_HASH + encode_extra_key(generate_block_hash_extra_keys(request, 0))
+        return request.block_hashes[block_index - 1]
+
+
+def _cache_blocks_indexed(self: SubBlockPrefixCachingKVCacheManager, request: Request,
+                          num_tokens: int) -> None:
+    """Chapter 8's caching, then every newly cached block enters the parent -> children index."""
+    before = self.num_cached_block.get(request.request_id, 0)
+    PrefixCachingKVCacheManager.cache_blocks(self, request, num_tokens)
+    size = self.block_size
+    for index in range(before, self.num_cached_block.get(request.request_id, 0)):
+        tokens = tuple(request.all_token_ids[index * size:(index + 1) * size])
+        self.children_of.setdefault(self.chain_key(request, index), {})[
+            request.block_hashes[index]] = tokens
+
+
+def _longest_partial_match(self: SubBlockPrefixCachingKVCacheManager, request: Request,
+                           block_index: int) -> tuple[KVCacheBlock | None, int]:
+    """The cached block after the request's block_index - 1 agreeing longest with its next
+    tokens, and the agreement in tokens (a multiple of the unit, short of the last token)."""
+    start, unit = block_index * self.block_size, self.prefix_match_unit
+    wanted = request.all_token_ids[start:min(start + self.block_size, request.num_tokens - 1)]
+    best, best_k = None, 0
+    children = self.children_of.get(self.chain_key(request, block_index), {})
+    for child_hash, tokens in list(children.items()):
+        block = self.pool.get_cached_block(child_hash)
+        if block is None:  # evicted since: forget it here too
+            del children[child_hash]
+            continue
+        k = next((i for i, (a, b) in enumerate(zip(tokens, wanted)) if a != b), len(wanted))
+        k -= k % unit
+        if k > best_k:
+            best, best_k = block, k
+    return best, best_k
+
+
+def _get_computed_blocks_sub_block(self: SubBlockPrefixCachingKVCacheManager,
+                                   request: Request) -> tuple[list[KVCacheBlock], int]:
+    """Whole cached blocks as in chapter 8, then a partial match inside the next block."""
+    blocks, num_tokens = PrefixCachingKVCacheManager.get_computed_blocks(self, request)
+    self.pending.pop(request.request_id, None)
+    if self.prefix_match_unit < self.block_size:
+        update_block_hashes(request, self.block_size)
+        source, k = self.longest_partial_match(request, len(blocks))
+        if source is not None:
+            self.pending[request.request_id] = (source, k)
+            num_tokens += k
+    return blocks, num_tokens
+
+
+def _allocate_slots_sub_block(self: SubBlockPrefixCachingKVCacheManager, request: Request,
+                              num_new_tokens: int, new_computed_blocks: list = ()) -> bool:
+    """At admission after a partial match: room for every token, then the matched block copied
+    into the request's own block; False, changing nothing, when the pool is short."""
+    source, k = self.pending.pop(request.request_id, (None, 0))
+    if source is None or request.request_id in self.block_tables:
+        return PrefixCachingKVCacheManager.allocate_slots(self, request, num_new_tokens,
+                                                          new_computed_blocks)
+    num_tokens = len(new_computed_blocks) * self.block_size + k + num_new_tokens
+    needed = self.get_num_blocks_to_allocate(request, num_tokens, new_computed_blocks)
+    if needed + (source.ref_cnt == 0) > self.pool.get_num_free_blocks():
+        return False  # (a free source is held during the copy, so it needs one block more)
+    self.pool.incref([source])  # nobody may take it while it is being copied
+    PrefixCachingKVCacheManager.allocate_slots(self, request, num_new_tokens + k,
+                                               new_computed_blocks)
+    private = self.block_tables[request.request_id].blocks[len(new_computed_blocks)]
+    copy_blocks(self.kv_cache, [source.block_id], [private.block_id])
+    self.pool.free([source])
+    self.num_sub_block_hits += 1
+    self.num_sub_block_tokens += k
+    self.num_sub_block_copies += 1
+    return True
+
+
+def _sub_block_stats(self: SubBlockPrefixCachingKVCacheManager) -> dict[str, int]:
+    """Chapter 8's counters, and the partial matches with the tokens they found."""
+    return PrefixCachingKVCacheManager.stats(self) | {
+        "sub_block_hits": self.num_sub_block_hits,
+        "sub_block_tokens": self.num_sub_block_tokens,
+        "sub_block_copies": self.num_sub_block_copies}
+
+
+SubBlockPrefixCachingKVCacheManager.cache_blocks = _cache_blocks_indexed
+SubBlockPrefixCachingKVCacheManager.longest_partial_match = _longest_partial_match
+SubBlockPrefixCachingKVCacheManager.get_computed_blocks = _get_computed_blocks_sub_block
+SubBlockPrefixCachingKVCacheManager.allocate_slots = _allocate_slots_sub_block
+SubBlockPrefixCachingKVCacheManager.stats = _sub_block_stats
+
+
+def set_prefix_match_unit(engine: LLMEngine, prefix_match_unit: int) -> None:
+    """Let the engine's prefix-cache hits end inside a block, at multiples of prefix_match_unit
+    tokens (a power of two dividing block_size); refused while any block is held."""
+    unit = check_integer("prefix_match_unit", prefix_match_unit, 1)
+    if unit & (unit - 1) or engine.pool.block_size % unit:
+        raise ValueError(f"prefix_match_unit must be a power of two dividing block_size="
+                         f"{engine.pool.block_size}, got {unit}")
+    if not isinstance(engine.scheduler.kv_cache_manager, PrefixCachingKVCacheManager):
+        raise ValueError("prefix_match_unit needs the prefix cache (enable_prefix_caching=True)")
+    if engine.pool.get_num_free_blocks() != engine.pool.num_blocks:
+        raise ValueError("prefix_match_unit can only be set while no block is held")
+    cls = SubBlockPrefixCachingKVCacheManager
+    if isinstance(engine.parallel_sampling, ForkSampling):
+        cls = copy_on_write_manager(cls)
+    manager = cls(engine.pool)
+    manager.kv_cache, manager.prefix_match_unit = engine.kv_cache, unit
+    engine.scheduler.kv_cache_manager = manager
