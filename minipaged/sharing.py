@@ -269,7 +269,9 @@ class SubBlockPrefixCachingKVCacheManager(PrefixCachingKVCacheManager):
     def __init__(self, pool) -> None:
         super().__init__(pool)
         self.kv_cache: KVCache | None = None
-        self.children_of: dict[bytes, dict[bytes, tuple[int, ...]]] = {}  # parent -> child: tokens
+        self.engine: LLMEngine | None = None  # whose step count says which blocks are computed
+        # parent -> {child hash: (its tokens, the engine step that computes it)}
+        self.children_of: dict[bytes, dict[bytes, tuple[tuple[int, ...], int]]] = {}
         self.pending: dict[str, tuple[KVCacheBlock, int]] = {}  # request -> (source, k)
         self.num_sub_block_hits = self.num_sub_block_tokens = self.num_sub_block_copies = 0
 
@@ -285,11 +287,11 @@ def _cache_blocks_indexed(self: SubBlockPrefixCachingKVCacheManager, request: Re
     """Chapter 8's caching, then every newly cached block enters the parent -> children index."""
     before = self.num_cached_block.get(request.request_id, 0)
     PrefixCachingKVCacheManager.cache_blocks(self, request, num_tokens)
-    size = self.block_size
+    size, step = self.block_size, self.engine.num_steps
     for index in range(before, self.num_cached_block.get(request.request_id, 0)):
         tokens = tuple(request.all_token_ids[index * size:(index + 1) * size])
         self.children_of.setdefault(self.chain_key(request, index), {})[
-            request.block_hashes[index]] = tokens
+            request.block_hashes[index]] = (tokens, step)
 
 
 def _longest_partial_match(self: SubBlockPrefixCachingKVCacheManager, request: Request,
@@ -300,11 +302,13 @@ def _longest_partial_match(self: SubBlockPrefixCachingKVCacheManager, request: R
     wanted = request.all_token_ids[start:min(start + self.block_size, request.num_tokens - 1)]
     best, best_k = None, 0
     children = self.children_of.get(self.chain_key(request, block_index), {})
-    for child_hash, tokens in list(children.items()):
+    for child_hash, (tokens, step) in list(children.items()):
         block = self.pool.get_cached_block(child_hash)
         if block is None:  # evicted since: forget it here too
             del children[child_hash]
             continue
+        if step >= self.engine.num_steps:
+            continue  # cached for the step being scheduled: not computed yet, nothing to copy
         k = next((i for i, (a, b) in enumerate(zip(tokens, wanted)) if a != b), len(wanted))
         k -= k % unit
         if k > best_k:
@@ -380,5 +384,5 @@ def set_prefix_match_unit(engine: LLMEngine, prefix_match_unit: int) -> None:
     if isinstance(engine.parallel_sampling, ForkSampling):
         cls = copy_on_write_manager(cls)
     manager = cls(engine.pool)
-    manager.kv_cache, manager.prefix_match_unit = engine.kv_cache, unit
+    manager.kv_cache, manager.engine, manager.prefix_match_unit = engine.kv_cache, engine, unit
     engine.scheduler.kv_cache_manager = manager

@@ -275,3 +275,87 @@ def test_modes_are_registered_classes():
     engine = LLMEngine(random_model(ModelConfig.small(num_layers=1), seed=0), 64,
                        max_model_len=MAX_LEN, parallel_sampling="fork")
     assert type(engine.scheduler.kv_cache_manager).__name__ == "CopyOnWriteKVCacheManager"
+
+
+# --- sub-block prefix matching -------------------------------------------------------------
+
+
+def sub_block_llm(model, unit, mode="split", blocks=256):
+    from minipaged.sharing import set_prefix_match_unit
+
+    llm = make_llm(model, mode, blocks=blocks, cache=True)
+    set_prefix_match_unit(llm.llm_engine, unit)
+    return llm
+
+
+def shared_prefix_prompts(lengths, seed=0):
+    """One long base prompt, and prompts agreeing with it on the given numbers of tokens."""
+    base = prompt_of(100, seed)
+    rng = torch.Generator().manual_seed(seed + 1)
+    return [{"prompt_token_ids": base[:k] + torch.randint(0, 512, (9,), generator=rng).tolist()}
+            for k in lengths]
+
+
+def test_a_partial_match_finds_the_agreeing_tokens_and_copies_once(model):
+    llm = sub_block_llm(model, 1)
+    first = prompt_of(60)
+    greedy = SamplingParams(temperature=0, max_tokens=3)
+    llm.generate({"prompt_token_ids": first}, greedy, use_tqdm=False)
+    (out,) = llm.generate({"prompt_token_ids": first[:37] + [1, 2]}, greedy, use_tqdm=False)
+    stats = llm.llm_engine.stats()
+    assert (stats["sub_block_tokens"], stats["sub_block_copies"]) == (5, 1)
+    assert stats["prefix_cache_hits"] == 32
+    (plain,) = make_llm(model, "split").generate({"prompt_token_ids": first[:37] + [1, 2]},
+                                                  greedy, use_tqdm=False)
+    assert out.outputs[0].token_ids == plain.outputs[0].token_ids
+    assert_all_free(llm)
+
+
+def test_the_unit_rounds_the_match_down(model):
+    llm = sub_block_llm(model, 4)
+    first = prompt_of(60)
+    greedy = SamplingParams(temperature=0, max_tokens=1)
+    llm.generate({"prompt_token_ids": first}, greedy, use_tqdm=False)
+    llm.generate({"prompt_token_ids": first[:39] + [1, 2]}, greedy, use_tqdm=False)
+    assert llm.llm_engine.stats()["sub_block_tokens"] == 4  # 7 agree, rounded down to 4
+
+
+def test_a_salt_keeps_first_blocks_apart(model):
+    from minipaged.sharing import SubBlockPrefixCachingKVCacheManager
+
+    manager = sub_block_llm(model, 1).llm_engine.scheduler.kv_cache_manager
+    assert isinstance(manager, SubBlockPrefixCachingKVCacheManager)
+    plain = Request("a", [1, 2, 3], SamplingParams())
+    salted = Request("b", [1, 2, 3], SamplingParams(), cache_salt="s")
+    assert manager.chain_key(plain, 0) != manager.chain_key(salted, 0)
+
+
+@pytest.mark.parametrize("unit, message", [(3, "power of two"), (32, "dividing"),
+                                           (0, "prefix_match_unit")])
+def test_bad_units_are_refused(model, unit, message):
+    from minipaged.sharing import set_prefix_match_unit
+
+    llm = make_llm(model, "split", cache=True)
+    manager = llm.llm_engine.scheduler.kv_cache_manager
+    with pytest.raises(ValueError, match=message):
+        set_prefix_match_unit(llm.llm_engine, unit)
+    assert llm.llm_engine.scheduler.kv_cache_manager is manager
+    with pytest.raises(ValueError, match="prefix cache"):
+        set_prefix_match_unit(make_llm(model, "split").llm_engine, 4)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                               HealthCheck.function_scoped_fixture])
+@given(lengths=st.lists(st.integers(1, 100), min_size=2, max_size=6),
+       unit=st.sampled_from([1, 2, 8]), blocks=st.integers(MAX_LEN // 16, 40),
+       mode=st.sampled_from(["split", "fork"]), n=st.integers(1, 3))
+def test_sub_block_hits_give_the_answers_of_no_cache(model, lengths, unit, blocks, mode, n):
+    prompts = shared_prefix_prompts(lengths)
+    params = SamplingParams(n=n, seed=2, max_tokens=6, ignore_eos=True)
+    expected = answers(make_llm(model, "split", blocks=256), prompts, params)
+    llm = sub_block_llm(model, unit, mode, blocks)
+    got = []
+    for prompt in prompts:  # one after another, so that each finds what the others left
+        got += answers(llm, [prompt], params)
+    assert got == expected
+    assert_all_free(llm)
