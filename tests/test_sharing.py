@@ -253,6 +253,7 @@ def test_preempting_one_forked_child(model, cache):
 # --- properties ----------------------------------------------------------------------------
 
 
+@pytest.mark.heavy
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                HealthCheck.function_scoped_fixture])
 @given(n=st.integers(1, 5), lengths=st.lists(st.integers(1, 60), min_size=1, max_size=3),
@@ -344,6 +345,7 @@ def test_bad_units_are_refused(model, unit, message):
         set_prefix_match_unit(make_llm(model, "split").llm_engine, 4)
 
 
+@pytest.mark.heavy
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                HealthCheck.function_scoped_fixture])
 @given(lengths=st.lists(st.integers(1, 100), min_size=2, max_size=6),
