@@ -3,6 +3,8 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# The branch `make check` compares with to pick the chapters to run.
+BASE ?= main
 # Triton kernels run under its interpreter on machines without a GPU.
 export TRITON_INTERPRET ?= 1
 export PYTHONHASHSEED ?= 0
@@ -10,7 +12,7 @@ export PYTHONHASHSEED ?= 0
 # so `make test` followed by `make book` executes every chapter once.
 export MINIPAGED_SHARE_EXECUTION ?= 1
 
-.PHONY: venv book test check tangle lint bench clean
+.PHONY: venv book test check check-chapters tangle lint bench gpu-check gpu-check-dry clean
 
 venv: $(STAMP)
 $(STAMP): requirements.txt pyproject.toml
@@ -28,11 +30,22 @@ test: $(STAMP)
 	$(BIN)/python tools/tangle.py --check
 	$(BIN)/python -m pytest tests chapters --nbval-lax -m "not slow" -q
 
-## Fast checks (under a minute): package and twins in sync, lint, the quick unit tests.
+## The loop after each edit: package and twins in sync, lint, the quick unit tests, then every
+## chapter changed since $(BASE) under nbval (see check-chapters).
 check: $(STAMP)
 	$(BIN)/python tools/tangle.py --check
 	$(BIN)/ruff check minipaged tests tools bench
 	$(BIN)/python -m pytest tests -m "not slow and not heavy" -q -x
+	$(MAKE) --no-print-directory check-chapters
+
+## Run under nbval every chapter whose source or modules changed since the merge base with
+## $(BASE) (committed or not), and every chapter that imports one of those modules.
+check-chapters: $(STAMP)
+	$(BIN)/python tools/tangle.py --check
+	@chapters="$$($(BIN)/python tools/tangle.py --changed-since $(BASE))"; \
+	if [ -z "$$chapters" ]; then echo "check-chapters: no chapter changed since $(BASE)"; \
+	else echo "check-chapters: $$chapters"; \
+	$(BIN)/python -m pytest $$chapters --nbval-lax -q; fi
 
 ## Regenerate minipaged/*.py and the chapters' .ipynb twins from the chapters.
 tangle: $(STAMP)
@@ -43,6 +56,18 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	for script in bench/*.py; do $(BIN)/python $$script || exit 1; done
+
+## On a GPU machine: everything the book needs a GPU for, in at most 8 minutes (bench/gpu_check).
+## Needs no .venv: the machine's own python3 with CUDA builds of torch and triton. OUT=dir also
+## packs the results there (gpu_check_results.tar.gz: unpack it in bench/results/).
+GPU_PYTHON ?= python3
+gpu-check:
+	env -u TRITON_INTERPRET -u MINIPAGED_SHARE_EXECUTION $(GPU_PYTHON) bench/gpu_check \
+		$(if $(OUT),--out $(OUT))
+
+## The same command on a CPU at tiny sizes under Triton's interpreter, so it cannot rot (CI).
+gpu-check-dry: $(STAMP)
+	$(BIN)/python bench/gpu_check --dry-run --strict
 
 clean:
 	rm -rf _build

@@ -10,6 +10,11 @@ import os
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
+
+# No per-example deadline: on a shared 2-core machine a slow example is load, not a bug.
+settings.register_profile("minipaged", deadline=None)
+settings.load_profile("minipaged")
 
 ROOT = Path(__file__).resolve().parent
 CACHE = ROOT / "_build" / ".jupyter_cache"

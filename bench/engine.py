@@ -27,7 +27,8 @@ import numpy as np
 import torch
 
 from minipaged import LLM, SamplingParams
-from minipaged.model import ModelConfig, random_model, to_transformers
+from minipaged.huggingface import to_transformers
+from minipaged.model import ModelConfig, random_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -10,7 +10,8 @@ import torch
 import minipaged.engine
 import minipaged.scheduler
 from minipaged import LLM, SamplingParams
-from minipaged.model import ModelConfig, random_model, save_pretrained, to_transformers
+from minipaged.huggingface import save_pretrained, to_transformers
+from minipaged.model import ModelConfig, random_model
 
 MAX_TOKENS = 12
 LENGTHS = [3, 9, 17, 33, 5, 24]

@@ -10,18 +10,17 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import minipaged.kernels
 import minipaged.model
+from minipaged.huggingface import load_model, save_pretrained, to_transformers
 from minipaged.kernels import paged_attention
 from minipaged.kv_cache import KVCache, reference_paged_attention
 from minipaged.model import (
     AttentionMetadata,
     ModelConfig,
     Qwen2ForCausalLM,
-    load_model,
     prepare_metadata,
     random_model,
-    save_pretrained,
-    to_transformers,
 )
 
 transformers = pytest.importorskip("transformers")
@@ -222,6 +221,22 @@ def test_prepare_metadata_refuses_a_bad_block_size():
         prepare_metadata([[1]], [0], [1], block_size=0)
     with pytest.raises(ValueError, match="block_size"):
         prepare_metadata([[1]], [0], [1], block_size=4.0)
+
+
+def test_prepare_metadata_counts_the_longest_lengths_on_the_host():
+    mixed = prepare_metadata([[3, 9], [4, 7]], [6, 0], [1, 5], block_size=4)
+    assert (mixed.max_seqlen_q, mixed.max_seqlen_k, mixed.is_decode) == (5, 7, False)
+    decode = prepare_metadata([[3, 9], [4, 7]], [6, 2], [1, 1], block_size=4)
+    assert (decode.max_seqlen_q, decode.max_seqlen_k, decode.is_decode) == (1, 7, True)
+    assert all(isinstance(v, int) for v in (decode.max_seqlen_q, decode.max_seqlen_k))
+
+
+def test_prepare_metadata_refuses_two_tokens_in_one_slot():
+    # Two sequences writing the same block would race in the store kernel on a GPU.
+    with pytest.raises(ValueError, match="slot"):
+        prepare_metadata([[3], [3]], [0, 0], [2, 2], block_size=4)
+    shared_prefix = prepare_metadata([[3, 5], [3, 6]], [4, 4], [1, 1], block_size=4)
+    assert shared_prefix.slot_mapping.tolist() == [20, 24]  # a shared block is only read
 
 
 def test_prepare_metadata_records_its_block_size():
@@ -496,6 +511,8 @@ def faulty_steps():
         ("logits index past the batch", "logits_indices",
          replace(good, logits_indices=torch.tensor([5]))),
         ("another block size", "block_size", replace(good, block_size=8)),
+        ("a longest query the tensors deny", "max_seqlen_q", replace(good, max_seqlen_q=1)),
+        ("a longest context the tensors deny", "max_seqlen_k", replace(good, max_seqlen_k=4)),
     ]
 
 
@@ -509,6 +526,18 @@ def test_a_refused_forward_leaves_the_cache_unchanged(model, config, case):
         model(torch.arange(5), metadata, cache)
     for layer, saved in zip(cache.layers, before):
         assert torch.equal(layer, saved), what
+
+
+def test_forward_refuses_two_tokens_in_one_slot(model, config):
+    """Tables that agree with the slots, but hand one slot to two tokens: a race on a GPU."""
+    metadata = prepare_metadata([[1], [0]], [0, 0], [2, 2], BLOCK_SIZE)
+    both_in_block_1 = replace(metadata, block_tables=torch.tensor([[1], [1]], dtype=torch.int32),
+                              slot_mapping=torch.tensor([4, 5, 4, 5]))
+    cache = filled_cache(config, 2)
+    before = [layer.clone() for layer in cache.layers]
+    with pytest.raises(ValueError, match="slot_mapping"):
+        model(torch.arange(4), both_in_block_1, cache)
+    assert all(torch.equal(a, b) for a, b in zip(cache.layers, before))
 
 
 def test_forward_refuses_a_cache_of_another_block_size(model, config):
@@ -564,3 +593,25 @@ def test_triton_backend_matches_torch():
     (ours,) = run_schedule(triton_model, [prompt], tables, num_blocks, chunks)
     (reference,) = run_schedule(torch_model, [prompt], tables, num_blocks, chunks)
     torch.testing.assert_close(ours, reference, atol=TOLERANCE, rtol=0)
+
+
+@pytest.mark.heavy
+def test_layers_trust_the_step_checked_once(monkeypatch):
+    """With the step's metadata checked by the model, no layer checks again (each check would
+    wait for the GPU); the answer is the same as the torch reference's."""
+    config = ModelConfig.small(num_layers=2, vocab_size=64, hidden_size=64, intermediate_size=64)
+    triton_model = random_model(config, seed=12, attention_backend="triton")
+    torch_model = random_model(config, seed=12, attention_backend="torch")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a layer checked its inputs again")
+
+    prompts = make_prompts([6, 3], config.vocab_size, seed=12)
+    tables, num_blocks = scattered_tables([6, 4], seed=12)
+    chunks = [[6], [2, 1]]  # a mixed step, then a decode
+    (reference, other) = run_schedule(torch_model, prompts, tables, num_blocks, chunks)
+    for name in ("check_attention_inputs", "check_store_inputs", "_check_unique_slots"):
+        monkeypatch.setattr(minipaged.kernels, name, refuse)
+    ours, theirs = run_schedule(triton_model, prompts, tables, num_blocks, chunks)
+    torch.testing.assert_close(ours, reference, atol=TOLERANCE, rtol=0)
+    torch.testing.assert_close(theirs, other, atol=TOLERANCE, rtol=0)

@@ -180,7 +180,7 @@ def _admit(manager, request):
     ok = manager.can_admit(request, blocks) and manager.allocate_slots(
         request, request.num_tokens - tokens, blocks)
     if ok:
-        request.num_computed_tokens = tokens
+        request.num_computed_tokens = request.num_tokens  # as if the step had run
     return ok, blocks, tokens
 
 
@@ -381,3 +381,19 @@ def test_num_cached_tokens_and_reset_through_llm(model):
               enable_prefix_caching=False)
     assert off.generate(prompt, params, use_tqdm=False)[0].num_cached_tokens == 0
     assert "prefix_cache_hits" not in off.llm_engine.stats()
+
+
+def test_blocks_cached_for_a_step_that_never_ran_are_forgotten_on_free():
+    pool = PrefixCachingBlockPool(num_blocks=8, block_size=4)
+    manager = PrefixCachingKVCacheManager(pool)
+    request = Request("a", list(range(12)), SamplingParams())
+    assert manager.allocate_slots(request, 12)  # cached at allocation: three full blocks
+    assert len(pool.cached_block_hash_to_block) == 3
+    manager.free(request)  # withdrawn before the model ran: num_computed_tokens is still 0
+    assert pool.cached_block_hash_to_block == {}
+    assert all(b.block_hash is None for b in pool.blocks)
+    done = Request("b", list(range(12)), SamplingParams())
+    assert manager.allocate_slots(done, 12)
+    done.num_computed_tokens = 12  # the step ran
+    manager.free(done)
+    assert len(pool.cached_block_hash_to_block) == 3  # what it computed stays findable

@@ -1,4 +1,8 @@
-"""The chapters are the package's only source: the sync check must catch any drift."""
+"""The chapters are the package's only source: the sync check must catch any drift, point at
+the chapter line to edit, and tangle must never silently drop an edit made to a generated file."""
+import importlib.util
+import json
+import re
 import shutil
 import subprocess
 import sys
@@ -18,8 +22,23 @@ def copy_of_repo(tmp_path: Path) -> Path:
 
 
 def check(repo: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(repo / "tools" / "tangle.py"), "--check"],
+    return tangle(repo, "--check")
+
+
+def tangle(repo: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(repo / "tools" / "tangle.py"), *args],
                           capture_output=True, text=True)
+
+
+MARKER = re.compile(r"^# (chapters/\S+\.md):(\d+)$")
+
+
+def line_of(path: Path, text: str) -> int:
+    """The 1-based line of path holding text (exactly once)."""
+    lines = path.read_text().splitlines()
+    hits = [n + 1 for n, line in enumerate(lines) if line == text]
+    assert len(hits) == 1, (text, hits)
+    return hits[0]
 
 
 def test_committed_package_matches_a_fresh_tangle():
@@ -75,3 +94,237 @@ def test_every_chapter_is_in_the_table_of_contents_and_starts_with_the_setup_cel
         assert "Runtime.detect()" in first.source, chapter.name
         assert f"- file: chapters/{chapter.stem}\n" in toc, f"{chapter.name} is not in _toc.yml"
     assert f"git clone {url} " in (ROOT / "book" / "colab.md").read_text()
+
+
+
+def test_every_block_marker_names_the_chapter_line_its_code_starts_on():
+    markers = 0
+    for module in (ROOT / "minipaged").glob("*.py"):
+        lines = module.read_text().splitlines()
+        for number, line in enumerate(lines):
+            if match := MARKER.match(line):
+                chapter, at = ROOT / match.group(1), int(match.group(2))
+                assert chapter.read_text().splitlines()[at - 1] == lines[number + 1], (module, line)
+                markers += 1
+    exported = sum(len(re.findall(r"^#\| export", chapter.read_text(), re.M))
+                   for chapter in (ROOT / "chapters").glob("[0-9][0-9]_*.md"))
+    assert markers == exported  # one marker per exported cell, none missing
+
+
+def test_check_prints_the_diff_and_the_chapter_line_of_the_edited_block(tmp_path):
+    repo = copy_of_repo(tmp_path)
+    memory = repo / "minipaged" / "memory.py"
+    target = ("        return 2 * self.num_layers * self.num_kv_heads * self.head_dim"
+              " * self.dtype_bytes")
+    memory.write_text(memory.read_text().replace(target, target.replace("2 *", "3 *")))
+    result = check(repo)
+    assert result.returncode == 1
+    chapter_line = line_of(repo / "chapters" / "01_kv_memory.md", target)
+    assert "minipaged/memory.py was edited by hand" in result.stderr
+    assert f"chapters/01_kv_memory.md:{chapter_line}" in result.stderr
+    assert "+" + target.replace("2 *", "3 *") in result.stderr.splitlines()  # the edit to move
+    assert "-" + target in result.stderr.splitlines()
+
+
+def test_tangle_refuses_to_overwrite_a_hand_edited_module_and_says_where_to_move_it(tmp_path):
+    repo = copy_of_repo(tmp_path)
+    blocks = repo / "minipaged" / "blocks.py"
+    edited = blocks.read_text().replace('"""', '"""HAND EDIT. ', 1)
+    blocks.write_text(edited)
+    chapter = repo / "chapters" / "03_block_pool.md"
+    extra = "\n```{code-cell} ipython3\n#| export\nEXTRA = 1\n```\n"
+    chapter.write_text(chapter.read_text() + extra)
+    result = tangle(repo)
+    assert result.returncode == 1
+    assert "minipaged/blocks.py was edited by hand" in result.stderr
+    assert re.search(r"Move the edit into chapters/03_block_pool\.md:\d+", result.stderr)
+    assert blocks.read_text() == edited  # nothing lost ...
+    assert "EXTRA" not in blocks.read_text()  # ... and nothing written: all or nothing
+    assert tangle(repo, "--force").returncode == 0  # the way to discard it on purpose
+    assert "HAND EDIT" not in blocks.read_text() and "EXTRA = 1" in blocks.read_text()
+    assert check(repo).returncode == 0
+
+
+def test_a_merge_conflict_in_a_generated_module_is_resolved_by_tangle(tmp_path):
+    repo = copy_of_repo(tmp_path)
+    blocks = repo / "minipaged" / "blocks.py"
+    fresh = blocks.read_text()
+    line = "from __future__ import annotations\n"
+    conflict = f"<<<<<<< HEAD\n{line}=======\n{line[:-1]}  # theirs\n>>>>>>> other\n"
+    blocks.write_text(fresh.replace(line, conflict))
+    assert tangle(repo).returncode == 0
+    assert blocks.read_text() == fresh
+
+
+def test_a_merge_that_only_moved_markers_is_not_taken_for_a_hand_edit(tmp_path):
+    repo = copy_of_repo(tmp_path)
+    blocks = repo / "minipaged" / "blocks.py"
+    fresh = blocks.read_text()
+    moved = re.sub(r"^(# chapters/03_block_pool\.md:)(\d+)$",
+                   lambda m: f"{m.group(1)}{int(m.group(2)) + 7}", fresh, flags=re.M)
+    blocks.write_text(moved)  # as git leaves it when two branches shifted the chapter's lines
+    result = tangle(repo)
+    assert result.returncode == 0, result.stderr
+    assert blocks.read_text() == fresh
+
+
+def test_tangle_refuses_to_delete_a_module_no_chapter_wrote(tmp_path):
+    repo = copy_of_repo(tmp_path)
+    handmade = repo / "minipaged" / "handmade.py"
+    handmade.write_text("x = 1\n")
+    result = tangle(repo)
+    assert result.returncode == 1 and "handmade.py is written by no chapter" in result.stderr
+    assert handmade.exists()
+
+
+def test_a_chapter_edit_is_tangled_without_complaint(tmp_path):
+    repo = copy_of_repo(tmp_path)
+    chapter = repo / "chapters" / "01_kv_memory.md"
+    chapter.write_text(chapter.read_text().replace("GiB = 2**30", "GiB = 2**30  # bytes"))
+    result = tangle(repo)
+    assert result.returncode == 0, result.stderr
+    assert "wrote minipaged/memory.py" in result.stdout
+
+
+def test_every_twin_asks_colab_for_a_t4():
+    for twin in sorted((ROOT / "chapters").glob("[0-9][0-9]_*.ipynb")):
+        metadata = json.loads(twin.read_text())["metadata"]
+        assert metadata["accelerator"] == "GPU", twin.name
+        assert metadata["colab"]["gpuType"] == "T4", twin.name
+
+
+TINY_CHAPTER = """---
+jupytext:
+  text_representation:
+    extension: .md
+    format_name: myst
+    format_version: 0.13
+kernelspec:
+  display_name: Python 3
+  language: python
+  name: python3
+---
+
+# A tiny chapter
+
+```{code-cell} ipython3
+#| default_exp tiny
+#| export
+def blocks_needed(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+```
+
+A demo cell that no test imports: only running the chapter sees it.
+
+```{code-cell} ipython3
+assert blocks_needed(17, 16) == 2
+```
+"""
+
+OTHER_CHAPTER = TINY_CHAPTER.replace("tiny", "other").replace("blocks_needed", "unrelated")
+
+
+def git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t",
+                           *args], check=True, capture_output=True, text=True).stdout
+
+
+def nbval(repo: Path, twins: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pytest", *twins, "--nbval-lax", "-q",
+                           "-p", "no:cacheprovider"], cwd=repo, capture_output=True, text=True)
+
+
+def tiny_book(repo: Path, chapters: dict[str, str]) -> Path:
+    """A repository holding only tangle.py and the given chapters, tangled and committed on main."""
+    for folder in ("tools", "chapters", "minipaged", "book"):
+        (repo / folder).mkdir()
+    shutil.copy(ROOT / "tools" / "tangle.py", repo / "tools")
+    for name, text in chapters.items():
+        (repo / "chapters" / name).write_text(text)
+    assert tangle(repo).returncode == 0
+    git(repo, "init", "-q", "-b", "main")
+    git(repo, "add", ".")
+    git(repo, "commit", "-qm", "the book")
+    return repo
+
+
+def test_the_chapter_check_runs_a_changed_chapter_and_catches_a_stale_demo_cell(tmp_path):
+    repo = tiny_book(tmp_path, {"01_tiny.md": TINY_CHAPTER, "02_other.md": OTHER_CHAPTER})
+    git(repo, "checkout", "-qb", "rename")
+    assert tangle(repo, "--changed-since", "main").stdout.split() == []  # nothing changed yet
+    assert nbval(repo, ["chapters/01_tiny.ipynb"]).returncode == 0  # the demo passes as written
+
+    # Rename the function in its exported cell only, as a maintainer would, and re-tangle.
+    chapter = repo / "chapters" / "01_tiny.md"
+    chapter.write_text(TINY_CHAPTER.replace("def blocks_needed", "def num_blocks_needed"))
+    assert tangle(repo).returncode == 0
+    selected = tangle(repo, "--changed-since", "main").stdout.split()
+    assert selected == ["chapters/01_tiny.ipynb"]  # uncommitted changes count; 02 is untouched
+    git(repo, "commit", "-qam", "rename")
+    assert tangle(repo, "--changed-since", "main").stdout.split() == selected  # committed too
+    result = nbval(repo, selected)
+    assert result.returncode != 0 and "blocks_needed" in result.stdout
+
+
+def test_a_chapter_importing_a_changed_module_is_selected_too(tmp_path):
+    import_cell = "```{code-cell} ipython3\nfrom minipaged.tiny import blocks_needed\n```\n\n"
+    importer = OTHER_CHAPTER.replace("A demo cell", import_cell + "A demo cell")
+    repo = tiny_book(tmp_path, {"01_tiny.md": TINY_CHAPTER, "02_other.md": importer,
+                                "03_last.md": OTHER_CHAPTER.replace("other", "last")})
+    chapter = repo / "chapters" / "01_tiny.md"
+    chapter.write_text(TINY_CHAPTER.replace("-(-num_tokens", "-(-int(num_tokens)"))
+    assert tangle(repo).returncode == 0
+    selected = tangle(repo, "--changed-since", "main").stdout.split()
+    assert selected == ["chapters/01_tiny.ipynb", "chapters/02_other.ipynb"]
+
+
+def test_make_check_runs_the_changed_chapters():
+    makefile = (ROOT / "Makefile").read_text()
+    check = makefile.split("\ncheck:")[1].split("\n\n")[0]
+    assert "check-chapters" in check
+    chapters = makefile.split("\ncheck-chapters:")[1].split("\n\n")[0]
+    assert "--changed-since" in chapters and "--nbval-lax" in chapters
+    for doc in ("README.md", "CONTRIBUTING.md"):
+        assert "make check" in (ROOT / doc).read_text(), doc
+
+
+def test_a_prose_edit_runs_only_its_own_chapter(tmp_path):
+    repo = tiny_book(tmp_path, {"01_tiny.md": TINY_CHAPTER,
+                                "02_other.md": OTHER_CHAPTER + "\nUses minipaged.tiny.\n"})
+    chapter = repo / "chapters" / "01_tiny.md"
+    prose = "# A very small chapter\n\nIt has more to say\nthan before, over three lines."
+    chapter.write_text(TINY_CHAPTER.replace("# A tiny chapter", prose))  # the markers move
+    assert tangle(repo).returncode == 0
+    assert tangle(repo, "--changed-since", "main").stdout.split() == ["chapters/01_tiny.ipynb"]
+
+
+def tangle_module():
+    """tools/tangle.py, imported: its collect() reads the chapters' export directives."""
+    spec = importlib.util.spec_from_file_location("tangle", ROOT / "tools" / "tangle.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["tangle"] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_readme_table_says_which_chapter_writes_each_module():
+    tangle_tool = tangle_module()
+    modules = tangle_tool.collect(tangle_tool.chapter_files())
+    written = {}
+    for module in modules.values():
+        written.setdefault(module.chapter, set()).add(module.name)
+    readme = (ROOT / "README.md").read_text()
+    rows = re.findall(r"^\| `(chapters/\d\d_\w+\.md)` \| ([^|]+) \|", readme, re.M)
+    table = {chapter: set(re.findall(r"`minipaged/(\w+)\.py`", cell)) for chapter, cell in rows}
+    assert table == written
+
+
+def test_the_repository_docs_stand_on_their_own():
+    docs = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *(ROOT / "book").glob("*.md")]
+    for doc in docs:
+        text = doc.read_text()
+        assert "../shared" not in text and "BOOK_PLAN" not in text and "STYLE.md" not in text, doc
+    contributing = (ROOT / "CONTRIBUTING.md").read_text()
+    for rule in ("glue", "runtime.pick", "add_to_class", "check_integer", "14.6 GiB",
+                 "make check-chapters", "Where this lives in vLLM"):
+        assert rule in contributing, rule

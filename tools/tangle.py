@@ -8,16 +8,24 @@ The chapters (``chapters/NN_slug.md``, Jupytext MyST notebooks) are the only sou
 * a cell whose first lines hold ``#| export`` goes into that module;
 * ``#| export kv_cache`` sends one cell to another module instead.
 
-Every module is owned by exactly one chapter, and each generated file starts with a header that
-names it. Next to every chapter sits an ``.ipynb`` twin without outputs (for Colab and nbval).
+Every module is owned by exactly one chapter. Each generated file starts with a header that
+names it and records a hash of the body, and each exported block in it is preceded by a marker
+comment giving the chapter line it came from (``# chapters/01_kv_memory.md:60``). Next to every
+chapter sits an ``.ipynb`` twin without outputs (for Colab, which opens it on a T4, and nbval).
 
-    python tools/tangle.py          # write minipaged/*.py and the chapters' .ipynb twins
-    python tools/tangle.py --check  # exit 1 when either differs from what would be written
+    python tools/tangle.py          # write minipaged/*.py, the .ipynb twins and book/api.md;
+                                    # refuses to overwrite a module edited by hand
+    python tools/tangle.py --check  # exit 1 when a file differs from a fresh tangle; prints the
+                                    # diff and the chapter line of each differing block
+    python tools/tangle.py --changed-since main  # the twins of the chapters to run under nbval
 """
 from __future__ import annotations
 
 import argparse
+import difflib
+import hashlib
 import re
+import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,16 +35,27 @@ import jupytext
 ROOT = Path(__file__).resolve().parent.parent
 DIRECTIVE = re.compile(r"^#\|\s*(default_exp|export)\b\s*(\S*)\s*$")
 MODULE_NAME = re.compile(r"^[a-z_][a-z0-9_]*$")
+FENCE = re.compile(r"^(`{3,}|~{3,})\{code-cell\}")
+MARKER = re.compile(r"^# (chapters/\S+\.md):(\d+)$")
+BODY_HASH = re.compile(r"^# body sha256: ([0-9a-f]{16})\b")
 
 # The package's public surface: names re-exported by minipaged/__init__.py, module by module.
 PUBLIC = {"engine": ["LLM"], "sampling": ["SamplingParams"], "prefix_cache": [], "sharing": []}
 
 
 @dataclass
+class Block:
+    """One exported cell's code, and the chapter line its first line of code sits on."""
+
+    code: str
+    line: int
+
+
+@dataclass
 class Module:
     name: str
     chapter: str
-    cells: list[str] = field(default_factory=list)
+    cells: list[Block] = field(default_factory=list)
 
 
 def split_directives(source: str) -> tuple[list[tuple[str, str]], str]:
@@ -50,47 +69,76 @@ def split_directives(source: str) -> tuple[list[tuple[str, str]], str]:
     return directives, "\n".join(lines).strip("\n")
 
 
+def code_cell_lines(chapter: Path, sources: list[str]) -> list[int]:
+    """The 1-based line of the chapter on which each code cell's source begins."""
+    lines = chapter.read_text().splitlines()
+    fences = [n for n, line in enumerate(lines) if FENCE.match(line)]
+    if len(fences) != len(sources):
+        sys.exit(f"{chapter.name}: found {len(fences)} code-cell fences for "
+                 f"{len(sources)} code cells")
+    starts = []
+    for fence, source in zip(fences, sources):
+        first = source.splitlines()[0] if source.strip() else None
+        start = fence + 1  # past the fence, then past any :option: lines or --- block
+        while first is not None and start < len(lines) and lines[start] != first:
+            start += 1
+        starts.append((start if start < len(lines) else fence + 1) + 1)
+    return starts
+
+
 def collect(chapters: list[Path]) -> dict[str, Module]:
     """Read every chapter and gather its exported cells into modules, in chapter order."""
     modules: dict[str, Module] = {}
     for chapter in chapters:
         notebook = jupytext.read(chapter)
-        rel = chapter.relative_to(ROOT).as_posix()
+        source = chapter.relative_to(ROOT).as_posix()
+        code_cells = [cell for cell in notebook.cells if cell.cell_type == "code"]
+        starts = code_cell_lines(chapter, [cell.source for cell in code_cells])
         default = None
-        for cell in notebook.cells:
-            if cell.cell_type != "code":
-                continue
+        for cell, start in zip(code_cells, starts):
             directives, code = split_directives(cell.source)
+            # The first line of code that reaches the module: past the directives and past
+            # the blank lines that split_directives strips.
+            rest = cell.source.splitlines()[len(directives):]
+            skipped = next((n for n, line in enumerate(rest) if line), 0)
+            line = start + len(directives) + skipped
             for kind, arg in directives:
                 if kind == "default_exp":
                     default = arg
                     continue
                 target = arg or default
                 if not target:
-                    sys.exit(f"{rel}: '#| export' before any '#| default_exp'")
+                    sys.exit(f"{source}:{start}: '#| export' before any '#| default_exp'")
                 if not MODULE_NAME.match(target):
-                    sys.exit(f"{rel}: '{target}' is not a module name")
-                module = modules.setdefault(target, Module(target, rel))
-                if module.chapter != rel:
-                    sys.exit(f"{rel}: module '{target}' is already written by {module.chapter}")
-                module.cells.append(code)
+                    sys.exit(f"{source}:{start}: '{target}' is not a module name")
+                module = modules.setdefault(target, Module(target, source))
+                if module.chapter != source:
+                    sys.exit(f"{source}:{start}: module '{target}' is already written by "
+                             f"{module.chapter}")
+                module.cells.append(Block(code, line))
     return modules
 
 
-def header(chapter: str) -> str:
-    return (
-        f"# AUTOGENERATED from {chapter} by tools/tangle.py. Do not edit this file:\n"
-        f"# edit the chapter, then run `make tangle`.\n"
-    )
+def body_hash(body: str) -> str:
+    return hashlib.sha256(body.encode()).hexdigest()[:16]
+
+
+def with_header(first: str, body: str) -> str:
+    """A generated Python file: its header, the hash of its body, then the body."""
+    return (f"{first}\n# body sha256: {body_hash(body)} (`make tangle` refuses to overwrite "
+            f"this file once edited)\n{body}")
 
 
 def render_module(module: Module) -> str:
-    return header(module.chapter) + "\n" + "\n\n\n".join(module.cells) + "\n"
+    blocks = [f"# {module.chapter}:{block.line}\n{block.code}" for block in module.cells]
+    body = "\n" + "\n\n\n".join(blocks) + "\n"
+    first = (f"# AUTOGENERATED from {module.chapter} by tools/tangle.py. Do not edit this file:\n"
+             f"# edit the chapter at the line each block's marker names, then run `make tangle`.")
+    return with_header(first, body)
 
 
 def render_init(modules: dict[str, Module]) -> str:
     lines = [
-        "# AUTOGENERATED by tools/tangle.py from the chapters' public names. Do not edit.",
         '"""minipaged: paged KV-cache memory, built one chapter at a time."""',
         "",
         "from . import runtime  # noqa: F401  (first: it sets up Triton's interpreter on CPU)",
@@ -103,7 +151,8 @@ def render_init(modules: dict[str, Module]) -> str:
         elif name in modules:  # imported for what it registers (the prefix cache's manager)
             lines.append(f"from . import {name}  # noqa: F401  (registers itself with the engine)")
     lines += ["", '__version__ = "0.1.0"', f"__all__ = {exported!r}", ""]
-    return "\n".join(lines)
+    return with_header("# AUTOGENERATED by tools/tangle.py from the chapters' public names. "
+                       "Do not edit.", "\n".join(lines))
 
 
 def render_api_page(modules: dict[str, Module]) -> str:
@@ -132,17 +181,26 @@ def render_api_page(modules: dict[str, Module]) -> str:
     return "\n".join(lines)
 
 
+# Colab reads these and opens the notebook on a T4 GPU runtime instead of a CPU one.
+COLAB_METADATA = {"accelerator": "GPU", "colab": {"gpuType": "T4", "provenance": []}}
+
+
 def render_twin(chapter: Path) -> str:
     """The chapter as an .ipynb without outputs, minus jupytext's own bookkeeping."""
     notebook = jupytext.read(chapter)
     notebook.metadata.pop("jupytext", None)
+    notebook.metadata.update(COLAB_METADATA)
     for number, cell in enumerate(notebook.cells):
         cell["id"] = f"cell-{number:03d}"  # fixed ids, so the twin is the same on every run
     return jupytext.writes(notebook, fmt="ipynb")
 
 
+def chapter_files() -> list[Path]:
+    return sorted((ROOT / "chapters").glob("[0-9][0-9]_*.md"))
+
+
 def expected_files() -> dict[Path, str]:
-    chapters = sorted((ROOT / "chapters").glob("[0-9][0-9]_*.md"))
+    chapters = chapter_files()
     modules = collect(chapters)
     files = {ROOT / "minipaged" / f"{m.name}.py": render_module(m) for m in modules.values()}
     files[ROOT / "minipaged" / "__init__.py"] = render_init(modules)
@@ -152,39 +210,201 @@ def expected_files() -> dict[Path, str]:
     return files
 
 
+def generated_paths() -> list[Path]:
+    return sorted((ROOT / "minipaged").glob("*.py")) + sorted((ROOT / "chapters").glob("*.ipynb"))
+
+
+def rel(path: Path) -> str:
+    return path.relative_to(ROOT).as_posix()
+
+
+def hand_edited(path: Path) -> bool | None:
+    """Whether a generated .py file's body no longer matches the hash in its header.
+
+    None when the file is not a generated module at all (no AUTOGENERATED header). False for
+    a file written before headers carried a hash, and for one holding git's conflict markers.
+    """
+    if path.suffix != ".py" or not path.exists():
+        return False
+    text = path.read_text()
+    lines = text.split("\n")
+    if any(line.startswith(("<<<<<<< ", ">>>>>>> ")) for line in lines):
+        return False  # a merge conflict in generated code: a fresh tangle is the resolution
+    if not lines[0].startswith("# AUTOGENERATED"):
+        return None
+    for number, line in enumerate(lines[:4]):
+        if match := BODY_HASH.match(line):
+            return body_hash("\n".join(lines[number + 1:])) != match.group(1)
+    return False  # an older tangle's file: no hash to compare with
+
+
+def location(expected: list[str], index: int) -> str | None:
+    """The chapter line that line `index` of a freshly tangled module comes from."""
+    for back in range(min(index, len(expected) - 1), -1, -1):
+        if match := MARKER.match(expected[back]):
+            return f"{match.group(1)}:{int(match.group(2)) + max(index - back - 1, 0)}"
+    return None
+
+
+def located_diff(path: Path, text: str, edit_first: bool = False) -> list[str]:
+    """A unified diff between the file as it is and a fresh tangle, each hunk naming the chapter
+    line to edit. By default it shows what tangle would change; with edit_first, the hand edit
+    (the file as it is) is the `+` side."""
+    ours = path.read_text().splitlines() if path.exists() else []
+    fresh = text.splitlines()
+    name = rel(path)
+    labels = [f"{name} (as it is)", f"{name} (as the chapters write it)"]
+    old, new = (fresh, ours) if edit_first else (ours, fresh)
+    if edit_first:
+        labels.reverse()
+    out = [f"--- {labels[0]}", f"+++ {labels[1]}"]
+    matcher = difflib.SequenceMatcher(None, old, new, autojunk=False)
+    for group in matcher.get_grouped_opcodes(3):
+        (_, i1, _, j1, _), (_, _, i2, _, j2) = group[0], group[-1]
+        changed = next(op for op in group if op[0] != "equal")
+        at = changed[1] if edit_first else changed[3]  # the index on the fresh side
+        where = location(fresh, min(at, len(fresh) - 1)) if fresh else None
+        out.append(f"@@ -{i1 + 1},{i2 - i1} +{j1 + 1},{j2 - j1} @@"
+                   + (f" edit {where}" if where else ""))
+        for tag, a1, a2, b1, b2 in group:
+            if tag == "equal":
+                out += [" " + line for line in old[a1:a2]]
+                continue
+            out += ["-" + line for line in old[a1:a2]]
+            out += ["+" + line for line in new[b1:b2]]
+    return out
+
+
+def chapter_locations(path: Path, text: str) -> list[str]:
+    """The chapter lines of the blocks in which the file differs from a fresh tangle."""
+    fresh = text.splitlines()
+    matcher = difflib.SequenceMatcher(None, path.read_text().splitlines(), fresh, autojunk=False)
+    places = []
+    for tag, _, _, j1, _ in matcher.get_opcodes():
+        if tag != "equal" and fresh and (where := location(fresh, min(j1, len(fresh) - 1))):
+            places.append(where)
+    return list(dict.fromkeys(places))
+
+
 def stale_files(expected: dict[Path, str]) -> list[str]:
     """Generated files that differ from a fresh tangle, or that no chapter writes any more."""
     problems = []
     for path, text in expected.items():
         if not path.exists() or path.read_text() != text:
-            problems.append(f"{path.relative_to(ROOT)} differs from a fresh tangle")
-    generated = set(expected)
-    for path in list((ROOT / "minipaged").glob("*.py")) + list((ROOT / "chapters").glob("*.ipynb")):
-        if path not in generated:
-            problems.append(f"{path.relative_to(ROOT)} is written by no chapter")
+            problems.append(f"{rel(path)} differs from a fresh tangle")
+    for path in generated_paths():
+        if path not in expected:
+            problems.append(f"{rel(path)} is written by no chapter")
     return problems
+
+
+def report_differences(expected: dict[Path, str]) -> int:
+    """--check: name every file out of sync, with a located diff for the Python modules."""
+    problems = stale_files(expected)
+    for problem in problems:
+        print(f"out of sync: {problem}", file=sys.stderr)
+    for path, text in expected.items():
+        if path.suffix == ".ipynb" or (path.exists() and path.read_text() == text):
+            continue
+        edited = bool(hand_edited(path))
+        if edited:
+            print(f"{rel(path)} was edited by hand; move the edit to "
+                  f"{', '.join(chapter_locations(path, text)) or 'its chapter'}", file=sys.stderr)
+        print("\n".join(located_diff(path, text, edit_first=edited)), file=sys.stderr)
+    if problems:
+        print("Edit the chapters, not the package; then run `make tangle`.", file=sys.stderr)
+    return 1 if problems else 0
+
+
+def code_only(text: str) -> list[str]:
+    """A generated file's lines without its bookkeeping (header, hash, block markers): a file
+    that differs from a fresh tangle only there (a git merge of two tangles) lost no edit."""
+    return [line for line in text.splitlines()
+            if not (MARKER.match(line) or BODY_HASH.match(line) or line.startswith(
+                ("# AUTOGENERATED", "# edit the chapter")))]
+
+
+def refusals(expected: dict[Path, str]) -> list[str]:
+    """Generated files that tangle would overwrite or delete, losing an edit made by hand."""
+    refused = []
+    for path in generated_paths():
+        edited = hand_edited(path)
+        if path in expected and edited and code_only(path.read_text()) != code_only(expected[path]):
+            places = ", ".join(chapter_locations(path, expected[path])) or "its chapter"
+            refused.append(f"{rel(path)} was edited by hand (its body no longer matches the hash "
+                           f"in its header). Move the edit into {places}, then run "
+                           f"`make tangle` again; `tools/tangle.py --force` discards it (as it "
+                           f"should after a merge that combined two tangles of one chapter).\n"
+                           + "\n".join(located_diff(path, expected[path], edit_first=True)))
+        elif path not in expected and path.suffix == ".py" and edited is not False:
+            why = "was edited by hand" if edited else "was not written by tangle"
+            refused.append(f"{rel(path)} is written by no chapter and {why}: move its code into "
+                           f"a chapter's '#| export' cell, or delete the file.")
+    return refused
+
+
+def changed_since(base: str) -> list[Path]:
+    """The .ipynb twins of the chapters to run: those whose source changed since `base` (the
+    merge base of HEAD and `base`, plus uncommitted and untracked changes), those whose
+    generated modules changed, and those whose cells import a module whose code changed."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True,
+                              check=True).stdout
+
+    try:
+        merge_base = git("merge-base", "HEAD", base).strip()
+        changed = set(git("diff", "--name-only", merge_base).split())
+    except (subprocess.CalledProcessError, FileNotFoundError):
+        print(f"tangle: no merge base with {base!r}; selecting every chapter", file=sys.stderr)
+        return [chapter.with_suffix(".ipynb") for chapter in chapter_files()]
+    changed |= set(git("ls-files", "--others", "--exclude-standard").split())
+    chapters = chapter_files()
+    modules = collect(chapters)
+    owner = {f"minipaged/{m.name}.py": m.chapter for m in modules.values()}
+    touched = {rel(c) for c in chapters if rel(c) in changed}
+    touched |= {owner[path] for path in changed if path in owner}
+    # A module whose code changed also sends every chapter that imports it; markers that moved
+    # because prose was added above a cell are not a change of code.
+    def code_changed(path: str) -> bool:
+        before = subprocess.run(["git", "-C", str(ROOT), "show", f"{merge_base}:{path}"],
+                                capture_output=True, text=True).stdout
+        return code_only(before) != code_only((ROOT / path).read_text())
+
+    changed_modules = {path[len("minipaged/"):-3] for path in changed
+                       if path in owner and (ROOT / path).exists() and code_changed(path)}
+    uses = re.compile(r"\bminipaged\.(" + "|".join(sorted(changed_modules)) + r")\b")
+    selected = [c for c in chapters
+                if rel(c) in touched or (changed_modules and uses.search(c.read_text()))]
+    return [chapter.with_suffix(".ipynb") for chapter in selected]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="only compare, write nothing")
+    parser.add_argument("--force", action="store_true",
+                        help="overwrite generated files even when they were edited by hand")
+    parser.add_argument("--changed-since", metavar="BRANCH",
+                        help="print the twins of the chapters changed since BRANCH, and exit")
     args = parser.parse_args(argv)
+    if args.changed_since:
+        print(" ".join(rel(path) for path in changed_since(args.changed_since)))
+        return 0
     expected = expected_files()
     if args.check:
-        problems = stale_files(expected)
-        for problem in problems:
-            print(f"out of sync: {problem}", file=sys.stderr)
-        if problems:
-            print("Edit the chapters, not the package; then run `make tangle`.", file=sys.stderr)
-        return 1 if problems else 0
-    generated = list((ROOT / "minipaged").glob("*.py")) + list((ROOT / "chapters").glob("*.ipynb"))
-    for stale in generated:
+        return report_differences(expected)
+    if not args.force and (refused := refusals(expected)):
+        for message in refused:
+            print(message, file=sys.stderr)
+        print("tangle wrote nothing.", file=sys.stderr)
+        return 1
+    for stale in generated_paths():
         if stale not in expected:
             stale.unlink()
+            print(f"removed {rel(stale)}")
     for path, text in expected.items():
         if not path.exists() or path.read_text() != text:
             path.write_text(text)
-            print(f"wrote {path.relative_to(ROOT)}")
+            print(f"wrote {rel(path)}")
     return 0
 
 

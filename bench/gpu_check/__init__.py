@@ -1,0 +1,1 @@
+"""The GPU check: one command that measures everything the book needs a GPU for (see __main__)."""
