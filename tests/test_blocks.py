@@ -10,6 +10,7 @@ from minipaged.blocks import (
     FreeKVCacheBlockQueue,
     KVCacheBlock,
     NoFreeBlocksError,
+    bad_input_catalogue,
 )
 
 
@@ -30,15 +31,37 @@ def test_free_queue_take_return_and_remove_from_the_middle():
 def test_free_queue_refuses_a_block_twice_or_a_missing_block():
     blocks = [KVCacheBlock(i) for i in range(3)]
     queue = FreeKVCacheBlockQueue(blocks)
-    with pytest.raises(ValueError, match="already in the free queue"):
+    with pytest.raises(ValueError, match="block: block 1 is already in a free queue"):
         queue.append(blocks[1])
     taken = queue.popleft()
-    with pytest.raises(ValueError, match="not in the free queue"):
+    with pytest.raises(ValueError, match="block: .* not in this free queue"):
         queue.remove(taken)
     for _ in range(2):
         queue.popleft()
     with pytest.raises(NoFreeBlocksError):
         queue.popleft()
+
+
+def test_free_queue_refuses_a_block_of_another_queue_and_keeps_both_counts():
+    mine = FreeKVCacheBlockQueue(KVCacheBlock(i) for i in range(3))
+    theirs = FreeKVCacheBlockQueue(KVCacheBlock(i) for i in range(3))
+    stranger = list(theirs)[1]  # linked into theirs, with the same block_id as one of mine
+    with pytest.raises(ValueError, match="block: .* not in this free queue"):
+        mine.remove(stranger)
+    assert [b.block_id for b in mine] == [0, 1, 2] and len(mine) == 3
+    assert [b.block_id for b in theirs] == [0, 1, 2] and len(theirs) == 3
+    with pytest.raises(ValueError, match="block: block 1 is already in a free queue"):
+        mine.append(stranger)
+    theirs.remove(stranger)  # its own queue may take it out, and then anyone may queue it
+    mine.append(stranger)
+    assert [len(mine), len(theirs)] == [4, 2] and list(mine)[-1] is stranger
+
+
+@pytest.mark.parametrize("call, field, attempt", bad_input_catalogue(),
+                         ids=[call for call, _, _ in bad_input_catalogue()])
+def test_every_catalogued_mistake_is_a_value_error_naming_its_field(call, field, attempt):
+    with pytest.raises(ValueError, match=rf"\b{field}\b"):
+        attempt()
 
 
 @pytest.mark.parametrize("block_size", [0, -4, 3, 12, 2.0, True])

@@ -1,15 +1,21 @@
 """The engine end to end: greedy answers equal transformers' in every regime, bad input refused."""
 import inspect
+import math
 import os
+import re
+import reprlib
 import subprocess
 import sys
 
 import pytest
 import torch
+from hypothesis import assume, event, given, settings
+from hypothesis import strategies as st
 
 import minipaged.engine
 import minipaged.scheduler
 from minipaged import LLM, SamplingParams
+from minipaged.engine import BAD_GENERATE_ARGUMENTS, BAD_LLM_OPTIONS
 from minipaged.huggingface import save_pretrained, to_transformers
 from minipaged.model import ModelConfig, random_model
 
@@ -245,3 +251,361 @@ def test_unseeded_sampling_is_reproducible_across_processes():
                                 text=True, check=True)
         answers.add(result.stdout.strip().splitlines()[-1])
     assert len(answers) == 1
+
+
+# ------------------------------------------------ bad input leaves the engine as it was
+
+
+def engine_state(llm):
+    """Everything a refused input must leave unchanged."""
+    engine = llm.llm_engine
+    return (engine.pool.get_num_free_blocks(), [r.request_id for r in engine.scheduler.waiting],
+            [r.request_id for r in engine.scheduler.running], sorted(engine.requests),
+            llm._next_id, dict(llm._inboxes))
+
+
+def assert_consistent(engine):
+    """One source of truth: the engine's live requests are exactly those the scheduler holds."""
+    queued = [r.request_id for r in engine.scheduler.waiting] + [
+        r.request_id for r in engine.scheduler.running]
+    assert sorted(queued) == sorted(engine.requests)
+    assert not any(r.status.finished for r in engine.requests.values())
+    tables = engine.scheduler.kv_cache_manager.block_tables.values()
+    held = {id(block) for table in tables for block in table.blocks}  # shared blocks count once
+    assert engine.pool.get_num_free_blocks() == engine.pool.num_blocks - len(held)
+
+
+@pytest.fixture
+def guarded(model):
+    llm = LLM(model=model, max_model_len=64, num_gpu_blocks_override=8)
+    llm.llm_engine.add_request("kept", [4, 5, 6], SamplingParams(temperature=0, max_tokens=4))
+    return llm
+
+
+def finish_kept(llm, model):
+    engine = llm.llm_engine
+    kept = engine.requests["kept"]
+    while engine.has_unfinished_requests():
+        engine.step()
+    fresh = LLM(model=model, max_model_len=64, num_gpu_blocks_override=8).generate(
+        {"prompt_token_ids": [4, 5, 6]}, SamplingParams(temperature=0, max_tokens=4),
+        use_tqdm=False)
+    assert kept.output_token_ids == fresh[0].outputs[0].token_ids
+    assert engine.pool.get_num_free_blocks() == engine.pool.num_blocks and not engine.requests
+
+
+@pytest.mark.parametrize("field, arguments", BAD_GENERATE_ARGUMENTS,
+                         ids=[f"{f}-{i}" for i, (f, _) in enumerate(BAD_GENERATE_ARGUMENTS)])
+def test_catalogued_bad_arguments_are_refused_by_generate_and_stream_changing_nothing(
+        model, guarded, field, arguments):
+    before = engine_state(guarded)
+    with pytest.raises(ValueError, match=re.escape(field)):
+        guarded.generate(**arguments, use_tqdm=False)
+    with pytest.raises(ValueError, match=re.escape(field)):
+        next(guarded.stream(**arguments))
+    assert engine_state(guarded) == before
+    finish_kept(guarded, model)
+
+
+@pytest.mark.parametrize("option, value", BAD_LLM_OPTIONS,
+                         ids=[f"{o}={reprlib.repr(v)}" for o, v in BAD_LLM_OPTIONS])
+def test_catalogued_bad_options_are_refused_naming_the_option(model, guarded, option, value):
+    before = engine_state(guarded)
+    with pytest.raises(ValueError, match=rf"\b{option}\b"):
+        LLM(model=model, **{option: value})
+    assert engine_state(guarded) == before
+    finish_kept(guarded, model)
+
+
+def test_zero_is_not_the_default():
+    with pytest.raises(ValueError, match="num_gpu_blocks_override must be an integer >= 1"):
+        LLM(model="random", num_gpu_blocks_override=0)
+    with pytest.raises(ValueError, match="max_model_len must be an integer >= 1"):
+        LLM(model="random", max_model_len=0)
+
+
+def test_cache_size_errors_name_the_option_and_the_bytes(model):
+    with pytest.raises(ValueError, match=r"kv_cache_memory_bytes=1,024 gives 0 blocks .* needs "
+                                         r"8 blocks \(262,144 bytes\)"):
+        LLM(model=model, kv_cache_memory_bytes=1024, max_model_len=128)
+    with pytest.raises(ValueError, match=r"num_gpu_blocks_override=10000000000 gives "
+                                         r"10,000,000,000 blocks, a cache of 327,680,000,000,000 "
+                                         r"bytes, but cpu has [\d,]+ bytes free"):
+        LLM(model=model, num_gpu_blocks_override=10**10, device="cpu")
+    llm = LLM(model=model, kv_cache_memory_bytes=8 * 32_768, max_model_len=128)
+    assert llm.llm_engine.pool.num_blocks == 8  # exactly enough is enough
+
+
+class Tokenizer:
+    def encode(self, text):
+        return [ord(c) % 100 for c in text]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+
+def test_a_tokenizer_needs_encode_and_decode(model):
+    llm = LLM(model=model, tokenizer=Tokenizer(), max_model_len=64)
+    out = llm.generate("hi", SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)[0]
+    assert out.prompt_token_ids == [4, 5] and out.outputs[0].text == " ".join(
+        map(str, out.outputs[0].token_ids))
+    with pytest.raises(ValueError, match="tokenizer"):
+        LLM(model=model, tokenizer=type("OnlyEncode", (), {"encode": lambda self, t: [1]})())
+
+
+INVALID_OPTIONS = {
+    "seed": st.one_of(st.none(), st.booleans(), st.integers(max_value=-1),
+                      st.integers(2**63, 2**80), st.floats(), st.text(max_size=3)),
+    "num_gpu_blocks_override": st.one_of(st.booleans(), st.integers(max_value=0),
+                                         st.integers(1, 127),  # 2048 tokens need 128 blocks
+                                         st.integers(10**10, 10**15), st.floats(),
+                                         st.text(max_size=3), st.lists(st.integers(), max_size=2)),
+    "kv_cache_memory_bytes": st.one_of(st.booleans(), st.integers(max_value=0),
+                                       st.integers(1, 128 * 32_768 - 1), st.integers(2**50, 2**70),
+                                       st.floats(), st.text(max_size=3)),
+    "max_model_len": st.one_of(st.booleans(), st.integers(max_value=0), st.integers(2049, 10**9),
+                               st.floats(), st.text(max_size=3)),
+    "max_num_seqs": st.one_of(st.none(), st.booleans(), st.integers(max_value=0), st.floats(),
+                              st.text(max_size=3)),
+    "max_num_batched_tokens": st.one_of(st.none(), st.booleans(), st.integers(max_value=0),
+                                        st.floats(), st.text(max_size=3)),
+    "gpu_memory_utilization": st.one_of(
+        st.none(), st.booleans(), st.floats().filter(lambda u: not 0 < u <= 1),
+        st.integers().filter(lambda u: not 0 < u <= 1), st.text(max_size=3)),
+    "block_size": st.one_of(st.booleans(), st.floats(), st.text(max_size=3), st.integers().filter(
+        lambda b: b < 1 or b > 256 or b & (b - 1))),
+    "device": st.one_of(st.integers(), st.floats(), st.booleans(), st.text(max_size=8).filter(
+        lambda d: not d.strip().lower().startswith(("cpu", "cuda")))),
+    "dtype": st.one_of(st.integers(), st.text(max_size=8).filter(
+        lambda d: d not in ("auto", "float16", "bfloat16", "float32")),
+        st.sampled_from([torch.int32, torch.float64, torch.bool, torch.complex64])),
+    "tokenizer": st.one_of(st.integers(), st.floats(), st.text(max_size=3), st.booleans(),
+                           st.lists(st.integers(), max_size=2)),
+    "enable_prefix_caching": st.one_of(st.none(), st.integers(), st.floats(), st.text(max_size=3)),
+    "attention_backend": st.one_of(st.none(), st.integers(), st.text(max_size=8).filter(
+        lambda b: b not in ("auto", "torch", "triton"))),
+}
+
+
+@pytest.fixture(scope="module")
+def hypothesis_llm(model):
+    return LLM(model=model, max_model_len=64, num_gpu_blocks_override=8)
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data(), option=st.sampled_from(sorted(INVALID_OPTIONS)))
+def test_any_bad_option_is_refused_by_name_and_the_engine_is_untouched(
+        model, hypothesis_llm, data, option):
+    value = data.draw(INVALID_OPTIONS[option], label=option)
+    engine = hypothesis_llm.llm_engine
+    if not engine.requests:
+        engine.add_request(f"kept-{engine.num_steps}", [4, 5, 6],
+                           SamplingParams(temperature=0, max_tokens=4))
+    before = engine_state(hypothesis_llm)
+    with pytest.raises(ValueError, match=rf"\b{option}\b"):
+        LLM(model=model, **{option: value})
+    assert engine_state(hypothesis_llm) == before
+    engine.step()  # the next good call still works, and keeps the books straight
+    assert_consistent(engine)
+
+
+# ---------------------------------------------------------------- exceptions, streams, aborts
+
+
+class FailingModel:
+    """Stands in for the engine's model: the call numbered fail_at raises, or runs a hook."""
+
+    def __init__(self, inner, fail_at, error=None, hook=None):
+        self.inner, self.fail_at, self.error, self.hook, self.calls = inner, fail_at, error, hook, 0
+
+    def __call__(self, *args):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            if self.hook is not None:
+                self.hook()
+            if self.error is not None:
+                raise self.error
+        return self.inner(*args)
+
+
+THREE = [{"prompt_token_ids": p} for p in ([1, 2, 3], [4, 5, 6, 7], [8, 9])]
+TEN_TOKENS = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+
+@pytest.mark.parametrize("error", [RuntimeError("the forward pass failed"), KeyboardInterrupt()])
+def test_generate_withdraws_its_requests_on_any_exception(model, error):
+    llm = LLM(model=model, max_model_len=64, num_gpu_blocks_override=10)
+    engine = llm.llm_engine
+    engine.model = FailingModel(model, fail_at=3, error=error)
+    with pytest.raises(type(error)):
+        llm.generate(THREE, TEN_TOKENS, use_tqdm=False)
+    assert not engine.has_unfinished_requests() and not engine.requests
+    assert engine.pool.get_num_free_blocks() == engine.pool.num_blocks
+    steps = engine.num_steps
+    again = llm.generate(THREE, TEN_TOKENS, use_tqdm=False)  # the model works again
+    fresh = LLM(model=model, max_model_len=64, num_gpu_blocks_override=10)
+    expected = fresh.generate(THREE, TEN_TOKENS, use_tqdm=False)
+    assert engine.num_steps - steps == fresh.llm_engine.num_steps  # nothing left behind to run
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in expected]
+
+
+def test_a_stream_withdraws_its_requests_when_a_step_fails(model):
+    llm = LLM(model=model, max_model_len=64, num_gpu_blocks_override=10)
+    engine = llm.llm_engine
+    engine.model = FailingModel(model, fail_at=4, error=KeyboardInterrupt())
+    stream = llm.stream(THREE, TEN_TOKENS)
+    with pytest.raises(KeyboardInterrupt):
+        list(stream)
+    assert not engine.requests and not llm._inboxes
+    assert engine.pool.get_num_free_blocks() == engine.pool.num_blocks
+
+
+def solo_answers(model, prompts, params):
+    llm = LLM(model=model, max_model_len=64, num_gpu_blocks_override=10)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def collect(outputs):
+    joined = {}
+    for out in outputs:
+        joined.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
+    return list(joined.values())
+
+
+def test_two_streams_read_in_turns_each_get_all_their_tokens(model):
+    llm = LLM(model=model, max_model_len=64, num_gpu_blocks_override=10)
+    p, q = THREE[0], THREE[1]
+    g = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    pairs = list(zip(llm.stream(p, g), llm.stream(q, g)))
+    assert len(pairs) == 3
+    assert [a.outputs[0].token_ids[0] for a, _ in pairs] == solo_answers(model, [p], g)[0]
+    assert [b.outputs[0].token_ids[0] for _, b in pairs] == solo_answers(model, [q], g)[0]
+    assert [a.finished for a, _ in pairs] == [False, False, True]
+    engine = llm.llm_engine
+    assert not engine.requests and not llm._inboxes
+    assert engine.pool.get_num_free_blocks() == engine.pool.num_blocks
+
+
+@settings(max_examples=25, deadline=None)
+@given(order=st.lists(st.integers(0, 2), min_size=1, max_size=60),
+       lengths=st.lists(st.integers(1, 6), min_size=3, max_size=3))
+def test_streams_read_in_any_order_beside_generate_each_get_their_own_tokens(
+        model, order, lengths):
+    llm = LLM(model=model, max_model_len=64, num_gpu_blocks_override=6)  # preempts too
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+    streams = [llm.stream(THREE[i], params[i]) for i in range(3)]
+    got = [[] for _ in streams]
+    for turn, i in enumerate(order):
+        out = next(streams[i], None)
+        if out is not None:
+            got[i].append(out)
+        if turn == 5:  # a generate in the middle steps the engine for everyone
+            solo = llm.generate(THREE[2], params[2], use_tqdm=False)[0].outputs[0].token_ids
+            assert solo == solo_answers(model, [THREE[2]], params[2])[0]
+        assert_consistent(llm.llm_engine)
+    for i, stream in enumerate(streams):
+        got[i].extend(stream)  # read each to its end
+        assert collect(got[i]) == solo_answers(model, [THREE[i]], params[i])
+        assert got[i][-1].finished and not any(o.finished for o in got[i][:-1])
+    engine = llm.llm_engine
+    assert not engine.requests and not llm._inboxes
+    assert engine.pool.get_num_free_blocks() == engine.pool.num_blocks
+
+
+def test_abort_request_withdraws_by_id_and_keeps_one_list_of_live_requests(model):
+    llm = LLM(model=model, max_model_len=64, num_gpu_blocks_override=10)
+    engine = llm.llm_engine
+    for name, prompt in [("a", [1, 2, 3]), ("b", [4, 5]), ("c", [6] * 20)]:
+        engine.add_request(name, prompt, TEN_TOKENS)
+    engine.step()
+    engine.add_request("d", [7, 8], TEN_TOKENS)  # still waiting
+    requests = dict(engine.requests)
+    engine.abort_request("b")
+    engine.abort_request(["d", "never-there"])  # unknown ids are passed over
+    engine.abort_request("b")  # and so are finished ones
+    assert sorted(engine.requests) == ["a", "c"]
+    assert_consistent(engine)
+    assert requests["b"].status.finish_reason == requests["d"].status.finish_reason == "abort"
+    for bad in (3, None, [1, "a"], b"a"):
+        with pytest.raises(ValueError, match="request_id"):
+            engine.abort_request(bad)
+    with pytest.raises(ValueError, match="request_id must be a string"):
+        engine.add_request(5, [1, 2], TEN_TOKENS)  # an id abort_request could not name
+    assert sorted(engine.requests) == ["a", "c"]
+    while engine.has_unfinished_requests():
+        engine.step()
+        assert_consistent(engine)
+    assert engine.pool.get_num_free_blocks() == engine.pool.num_blocks and not engine.requests
+
+
+def test_a_request_aborted_from_outside_ends_its_stream_and_its_generate(model):
+    llm = LLM(model=model, max_model_len=64, num_gpu_blocks_override=10)
+    engine = llm.llm_engine
+    stream = llm.stream(THREE[:2], TEN_TOKENS)
+    first = next(stream)
+    engine.abort_request(first.request_id)
+    rest = list(stream)
+    mine = [o for o in rest if o.request_id == first.request_id]
+    assert len(mine) == 1 and mine[0].outputs[0].finish_reason == "abort"
+    assert mine[0].outputs[0].token_ids == []
+    step = engine.step
+    engine.step = FailingModel(step, fail_at=3, hook=lambda: engine.abort_request(
+        sorted(engine.requests)[0]))  # between two steps of generate
+    outputs = llm.generate(THREE, TEN_TOKENS, use_tqdm=False)
+    assert [o.outputs[0].finish_reason for o in outputs] == ["abort", "length", "length"]
+    assert not engine.requests and engine.pool.get_num_free_blocks() == engine.pool.num_blocks
+
+
+def test_a_refused_request_never_stays_in_the_engine(model):
+    llm = LLM(model=model, max_model_len=64, num_gpu_blocks_override=10)
+    engine = llm.llm_engine
+    with pytest.raises(ValueError, match="top_k"):
+        llm.generate(THREE, [SamplingParams(), SamplingParams(), SamplingParams(top_k=True)])
+    assert not engine.requests
+    good = llm.generate(THREE, TEN_TOKENS, use_tqdm=False)  # and later calls are not affected
+    assert all(len(o.outputs[0].token_ids) == 10 for o in good)
+
+
+# ---------------------------------------------------------------- a randomized engine, starved
+
+
+@pytest.mark.slow
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_random_workloads_oversubscribed_give_the_ample_answers_and_free_the_pool(model, data):
+    draw = data.draw
+    num_requests = draw(st.integers(4, 12), label="requests")
+    vocab = model.config.vocab_size
+    prompts = [draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=24))
+               for _ in range(num_requests)]
+    params = [SamplingParams(temperature=draw(st.sampled_from([0, 0.8])), top_p=0.9, seed=i,
+                             max_tokens=draw(st.integers(1, 16)), ignore_eos=True)
+              for i in range(num_requests)]
+    block_size = draw(st.sampled_from([4, 8, 16]), label="block_size")
+    lengths = [len(p) + s.max_tokens for p, s in zip(prompts, params)]
+    max_model_len = max(lengths)
+    wanted = sum(-(-n // block_size) for n in lengths)
+    target = draw(st.floats(2.5, 10.0), label="oversubscription")
+    num_blocks = max(-(-max_model_len // block_size), math.floor(wanted / target))
+    assume(2.5 <= wanted / num_blocks <= 10)
+    options = dict(block_size=block_size, max_model_len=max_model_len)
+    batch = [{"prompt_token_ids": p} for p in prompts]
+    ample = LLM(model=model, enable_prefix_caching=False, **options).generate(
+        batch, params, use_tqdm=False)
+    starved = LLM(model=model, num_gpu_blocks_override=num_blocks,
+                  enable_prefix_caching=draw(st.booleans(), label="prefix caching"),
+                  max_num_batched_tokens=draw(st.integers(1, 16), label="token budget"),
+                  max_num_seqs=draw(st.integers(1, 8), label="max_num_seqs"), **options)
+    engine = starved.llm_engine
+    step = engine.step
+
+    def checked_step():
+        finished = step()
+        assert_consistent(engine)
+        return finished
+
+    engine.step = checked_step
+    answers = starved.generate(batch, params, use_tqdm=False)
+    event(f"preempted: {engine.stats()['num_preemptions'] > 0}")
+    assert [o.outputs[0].token_ids for o in answers] == [o.outputs[0].token_ids for o in ample]
+    assert engine.pool.get_num_free_blocks() == engine.pool.num_blocks and not engine.requests

@@ -16,6 +16,7 @@ from minipaged.fragmentation import (
     MaxTree,
     Workload,
     arrival_rate_for_load,
+    bad_input_catalogue,
     erlang_b,
     live_total,
     make_workload,
@@ -577,3 +578,58 @@ def test_the_seed_shape_on_the_seed_pool():
             assert blocks.external_refusals == 0
             assert np.max(exact.refusal_occupancy) < 0.97
             assert np.min(blocks.refusal_occupancy) > 1 - 2048 / SEED_POOL_TOKENS
+
+
+# ---------------------------------------------------------------- bad input, the whole catalogue
+
+
+@pytest.mark.parametrize("call, field, attempt", bad_input_catalogue(),
+                         ids=[call for call, _, _ in bad_input_catalogue()])
+def test_every_catalogued_mistake_is_a_value_error_naming_its_argument(call, field, attempt):
+    with pytest.raises(ValueError, match=rf"\b{field}\b"):
+        attempt()
+
+
+@pytest.mark.parametrize("arrivals", [["0", "1"], [True, False], [0.0, None], [b"0", b"1"],
+                                      np.array([0, 1], dtype=object)])
+def test_arrivals_must_be_numbers_not_text_or_booleans(arrivals):
+    with pytest.raises(ValueError, match="arrival_times"):
+        Workload(arrivals, [1, 1], [1, 1], 1.0)
+    assert Workload(np.array([0, 1], dtype=np.int32), [1, 1], [1, 1], 1.0).arrival_times.dtype \
+        == np.float64  # integer seconds are numbers too
+
+
+@pytest.mark.parametrize("share", [5, 0.5, "0.5", (0.1,), (0.1, 0.2, 0.3), ("0.2", "0.8"),
+                                   (True, 0.5), (-0.1, 0.5), (0.6, 0.5), (0.2, float("nan")),
+                                   None])
+def test_prompt_share_must_be_a_pair_inside_the_unit_interval(share):
+    for call in (lambda: make_workload(10, 1.0, prompt_share=share),
+                 lambda: arrival_rate_for_load(1.0, 100, prompt_share=share),
+                 lambda: workload_moments(prompt_share=share)):
+        with pytest.raises(ValueError, match="prompt_share"):
+            call()
+
+
+def test_a_list_prompt_share_is_as_good_as_a_tuple():
+    assert workload_moments(prompt_share=[0.2, 0.8]) == workload_moments()
+    assert arrival_rate_for_load(1.0, 100, prompt_share=[0.2, 0.8]) == arrival_rate_for_load(
+        1.0, 100)
+
+
+@pytest.mark.parametrize("seed", ["abc", -1, 1.5, None, True])
+def test_a_seed_numpy_would_reject_is_named(seed):
+    with pytest.raises(ValueError, match="seed"):
+        make_workload(10, 1.0, seed=seed)
+    with pytest.raises(ValueError, match="seed"):
+        sample_total_lengths(10, seed=seed)
+    np.testing.assert_array_equal(make_workload(10, 1.0, seed=np.int64(3)).total_lens,
+                                  make_workload(10, 1.0, seed=3).total_lens)
+
+
+def test_an_exact_fit_pool_too_large_for_memory_is_refused_before_any_allocation():
+    with pytest.raises(ValueError, match="pool_tokens"):
+        MaxLengthReservation(2**40)
+    with pytest.raises(ValueError, match="size"):
+        MaxTree(2**40)
+    with pytest.raises(ValueError, match="size"):
+        MaxTree(0)

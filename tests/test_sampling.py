@@ -1,10 +1,17 @@
 """SamplingParams validation and the sampler: greedy rows, seeded draws, top-k and top-p."""
+import dataclasses
+import functools
+import math
+
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minipaged.sampling import SamplingParams, filter_top_k_top_p, sample
+from minipaged import LLM
+from minipaged.model import ModelConfig, random_model
+from minipaged.sampling import BAD_SAMPLING_PARAMS, SamplingParams, filter_top_k_top_p, sample
 
 
 @pytest.mark.parametrize("field, value", [("max_tokens", 0), ("max_tokens", -3),
@@ -65,3 +72,127 @@ def test_sampled_tokens_stay_inside_the_filter():
     gen = torch.Generator().manual_seed(0)
     params = [SamplingParams(temperature=2.0, top_k=3)]
     assert {sample(logits, params, [gen])[0] for _ in range(100)} <= allowed
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def test_every_catalogued_bad_value_is_a_value_error_naming_its_field():
+    for field, value in BAD_SAMPLING_PARAMS:
+        with pytest.raises(ValueError, match=rf"\b{field}\b"):
+            SamplingParams(**{field: value})
+
+
+@pytest.mark.parametrize("field, value", BAD_SAMPLING_PARAMS,
+                         ids=[f"{f}={v!r}" for f, v in BAD_SAMPLING_PARAMS])
+def test_a_bad_value_set_later_is_refused_and_the_old_one_kept(field, value):
+    params = SamplingParams(temperature=0.5, seed=3, stop_token_ids=[7], max_tokens=4)
+    before = dataclasses.asdict(params)
+    with pytest.raises(ValueError, match=rf"\b{field}\b"):
+        setattr(params, field, value)
+    assert dataclasses.asdict(params) == before
+
+
+def test_values_are_stored_as_plain_python_types():
+    params = SamplingParams(temperature=np.float32(0.5), top_k=np.int64(3), seed=np.uint8(7),
+                            stop_token_ids=(np.int64(5), 6), max_tokens=np.int32(8))
+    assert (type(params.temperature), type(params.top_k), type(params.seed)) == (float, int, int)
+    assert params.stop_token_ids == [5, 6] and type(params.stop_token_ids[0]) is int
+    assert SamplingParams(stop_token_ids=None).stop_token_ids == []
+    ids = [1, 2]
+    params = SamplingParams(stop_token_ids=ids)
+    ids.append(3)  # the caller's list is copied, not shared
+    assert params.stop_token_ids == [1, 2]
+
+
+@pytest.mark.xfail(strict=True, raises=OverflowError,
+                   reason="chapter 1's check_number lets float()'s OverflowError through")
+def test_an_integer_too_large_for_a_float_is_a_value_error():
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=10**400)
+
+
+def is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_real(value) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value))
+
+
+# What each field accepts, written from the specification rather than from the code.
+VALID = {
+    "n": lambda v: is_int(v) and v >= 1,
+    "temperature": lambda v: is_real(v) and v >= 0,
+    "top_p": lambda v: is_real(v) and 0 < v <= 1,
+    "top_k": lambda v: is_int(v) and v >= -1,
+    "seed": lambda v: v is None or (is_int(v) and 0 <= v < 2**63),
+    "stop_token_ids": lambda v: v is None or (isinstance(v, (list, tuple))
+                                              and all(is_int(t) and t >= 0 for t in v)),
+    "ignore_eos": lambda v: isinstance(v, bool),
+    "max_tokens": lambda v: v is None or (is_int(v) and v >= 1),
+}
+ANY_VALUE = st.one_of(
+    st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(), st.text(max_size=4),
+    st.lists(st.one_of(st.integers(-5, 2**40), st.floats(), st.booleans(), st.text(max_size=2)),
+             max_size=3),
+    st.tuples(st.integers(-3, 100)), st.binary(max_size=2), st.dictionaries(st.text(), st.none()))
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny ops: a second thread only adds synchronisation
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def small_llm(one_thread):
+    return LLM(model=random_model(ModelConfig.small(num_layers=1), seed=0), max_model_len=64,
+               num_gpu_blocks_override=6)
+
+
+def engine_state(llm):
+    engine = llm.llm_engine
+    return (engine.pool.get_num_free_blocks(), [r.request_id for r in engine.scheduler.waiting],
+            [r.request_id for r in engine.scheduler.running], sorted(engine.requests),
+            llm._next_id)
+
+
+GOOD_PROMPT = {"prompt_token_ids": [3, 1, 4, 1, 5]}
+GOOD_PARAMS = dict(temperature=0, max_tokens=3, ignore_eos=True)
+
+
+@settings(max_examples=150, deadline=None)
+@given(field=st.sampled_from(sorted(VALID)), value=ANY_VALUE)
+def test_any_value_is_stored_or_refused_by_name_and_the_engine_is_untouched(
+        small_llm, field, value):
+    engine = small_llm.llm_engine
+    if not engine.requests:  # keep one request inside the engine across examples
+        engine.add_request(f"kept-{small_llm._next_id}", [9, 9, 9],
+                           SamplingParams(**GOOD_PARAMS))
+        small_llm._next_id += 1
+    before = engine_state(small_llm)
+    if VALID[field](value):
+        stored = getattr(SamplingParams(**{field: value}), field)
+        assert stored == (list(value) if isinstance(value, tuple) else value or
+                          ([] if field == "stop_token_ids" else value))
+        return
+    with pytest.raises(ValueError, match=rf"\b{field}\b"):
+        small_llm.generate(GOOD_PROMPT, SamplingParams(**{field: value}), use_tqdm=False)
+    params = SamplingParams(**GOOD_PARAMS)
+    with pytest.raises(ValueError, match=rf"\b{field}\b"):
+        setattr(params, field, value)
+    assert engine_state(small_llm) == before
+    out = small_llm.generate(GOOD_PROMPT, params, use_tqdm=False)[0].outputs[0].token_ids
+    assert out == reference_answer()
+
+
+@functools.lru_cache
+def reference_answer():
+    llm = LLM(model=random_model(ModelConfig.small(num_layers=1), seed=0), max_model_len=64,
+              num_gpu_blocks_override=6)
+    return llm.generate(GOOD_PROMPT, SamplingParams(**GOOD_PARAMS),
+                        use_tqdm=False)[0].outputs[0].token_ids
