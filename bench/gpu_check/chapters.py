@@ -234,7 +234,8 @@ def stand_in_snapshot() -> Path | None:
 
 def fake_hub(home: Path, config, dtype, device) -> Path:
     """Write MODEL_ID into the Hugging Face cache under home: random weights, real shape."""
-    from minipaged.model import random_model, save_pretrained
+    from minipaged.huggingface import save_pretrained
+    from minipaged.model import random_model
 
     repo = Path(home) / "hub" / ("models--" + MODEL_ID.replace("/", "--"))
     snapshot = repo / "snapshots" / REVISION

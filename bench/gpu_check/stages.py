@@ -143,7 +143,8 @@ def model_at_real_geometry(ctx: Context):
     Loaded from the hub stage's stand-in checkpoint when it is there (seconds), else drawn.
     """
     from gpu_check.chapters import real_geometry, stand_in_snapshot
-    from minipaged.model import load_model, random_model
+    from minipaged.huggingface import load_model
+    from minipaged.model import random_model
 
     snapshot = stand_in_snapshot()
     if snapshot is not None:
