@@ -16,8 +16,10 @@ from minipaged.sharing import (
     ForkSampling,
     ParentRequest,
     SplitSampling,
+    check_writes,
     copy_blocks,
     copy_on_write_manager,
+    flush_copies,
     reference_copy_blocks,
 )
 
@@ -194,11 +196,13 @@ def test_copy_on_write_copies_the_shared_block_before_the_write(base):
     assert shared.ref_cnt == 2
     assert manager.allocate_slots(child, 1)
     copy = manager.block_tables["c"].blocks[1]
+    assert shared.ref_cnt == 2  # the parent, and the copy still to be made
+    assert manager.allocate_slots(parent, 1)  # the last holder writes in place
+    flush_copies(manager)  # the engine does this just before the forward pass
     assert copy is not shared and copy.ref_cnt == 1 and shared.ref_cnt == 1
     layer = manager.kv_cache.layers[0]
     assert torch.equal(layer[copy.block_id], layer[shared.block_id])
     assert manager.block_tables["c"].blocks[0] is manager.block_tables["p"].blocks[0]
-    assert manager.allocate_slots(parent, 1)  # the last holder writes in place
     assert manager.block_tables["p"].blocks[1] is shared and manager.num_copied_blocks == 1
     manager.get_block_table(parent), manager.get_block_table(child)  # both pass the check
 
@@ -206,8 +210,22 @@ def test_copy_on_write_copies_the_shared_block_before_the_write(base):
 def test_the_write_path_refuses_a_shared_block():
     manager, parent, child = forked_pair()
     KVCacheManager.allocate_slots(manager, child, 1)  # growth without copy-on-write
+    table = manager.block_tables["c"]
     with pytest.raises(CopyOnWriteError, match="would write into block"):
-        manager.get_block_table(child)
+        check_writes(manager.pool, torch.tensor([table.slot(6)]), 4)
+    check_writes(manager.pool, torch.tensor([-1]), 4)  # padding writes nothing
+
+
+def test_an_engine_without_copy_on_write_is_stopped_before_the_write(model, monkeypatch):
+    # one token per step, so that one child at a time writes (two writers of one slot in a
+    # step are refused earlier, by chapter 7's metadata check)
+    llm = LLM(model=model, seed=0, max_model_len=MAX_LEN, num_gpu_blocks_override=64,
+              enable_prefix_caching=False, parallel_sampling="fork", max_num_batched_tokens=1)
+    manager = llm.llm_engine.scheduler.kv_cache_manager
+    monkeypatch.setattr(type(manager), "shared_write_targets", lambda self, r, n: [])
+    with pytest.raises(CopyOnWriteError):
+        llm.generate({"prompt_token_ids": prompt_of(37)}, SamplingParams(n=2, max_tokens=4),
+                     use_tqdm=False)
 
 
 def test_a_refused_copy_changes_nothing():
@@ -360,4 +378,18 @@ def test_sub_block_hits_give_the_answers_of_no_cache(model, lengths, unit, block
     for prompt in prompts:  # one after another, so that each finds what the others left
         got += answers(llm, [prompt], params)
     assert got == expected
+    assert_all_free(llm)
+
+
+@pytest.mark.parametrize("cache", [False, True])
+def test_fork_under_preemption_by_swap(model, cache):
+    """Chapter 11's swaps and this chapter's copies are both made just before the forward pass,
+    swaps first: a block a swapped-out child frees may be a copy's destination in the same step."""
+    prompts = [{"prompt_token_ids": prompt_of(n, n)} for n in (37, 50, 9)]
+    params = SamplingParams(n=3, seed=1, max_tokens=30, ignore_eos=True)
+    expected = answers(make_llm(model, "split", blocks=256), prompts, params)
+    llm = LLM(model=model, seed=0, max_model_len=MAX_LEN, num_gpu_blocks_override=10,
+              enable_prefix_caching=cache, parallel_sampling="fork", preemption_mode="swap")
+    assert answers(llm, prompts, params) == expected
+    assert llm.llm_engine.stats()["num_preemptions"] > 0
     assert_all_free(llm)
