@@ -156,6 +156,11 @@ def render_init(modules: dict[str, Module]) -> str:
                        "Do not edit.", "\n".join(lines))
 
 
+def _page_link(chapter: str) -> str:
+    """The API page's relative link to a chapter's page (book/api.md -> chapters/NN_slug.md)."""
+    return "../" + chapter
+
+
 def render_api_page(modules: dict[str, Module]) -> str:
     """The book's API reference: one autodoc section per module, in chapter order."""
     lines = [
@@ -171,7 +176,7 @@ def render_api_page(modules: dict[str, Module]) -> str:
         lines += [
             f"## `minipaged.{module.name}`",
             "",
-            f"Written by `{module.chapter}`.",
+            f"Written by [{module.chapter}](<{_page_link(module.chapter)}>).",
             "",
             "```{eval-rst}",
             f".. automodule:: minipaged.{module.name}",
