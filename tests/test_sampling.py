@@ -16,7 +16,7 @@ from minipaged.sampling import BAD_SAMPLING_PARAMS, SamplingParams, filter_top_k
 
 @pytest.mark.parametrize("field, value", [("max_tokens", 0), ("max_tokens", -3),
                                           ("temperature", -0.1), ("top_p", 0.0),
-                                          ("top_p", 1.01), ("top_k", -2), ("n", 2)])
+                                          ("top_p", 1.01), ("top_k", -2), ("n", 0)])
 def test_bad_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
@@ -123,7 +123,7 @@ def is_real(value) -> bool:
 
 # What each field accepts, written from the specification rather than from the code.
 VALID = {
-    "n": lambda v: is_int(v) and v == 1,
+    "n": lambda v: is_int(v) and v >= 1,
     "temperature": lambda v: is_real(v) and v >= 0,
     "top_p": lambda v: is_real(v) and 0 < v <= 1,
     "top_k": lambda v: is_int(v) and v >= -1,

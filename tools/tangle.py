@@ -40,7 +40,8 @@ MARKER = re.compile(r"^# (chapters/\S+\.md):(\d+)$")
 BODY_HASH = re.compile(r"^# body sha256: ([0-9a-f]{16})\b")
 
 # The package's public surface: names re-exported by minipaged/__init__.py, module by module.
-PUBLIC = {"engine": ["LLM"], "sampling": ["SamplingParams"], "prefix_cache": [], "swap": []}
+PUBLIC = {"engine": ["LLM"], "sampling": ["SamplingParams"], "prefix_cache": [], "sharing": [],
+          "swap": []}
 
 
 @dataclass

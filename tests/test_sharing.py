@@ -1,0 +1,395 @@
+"""Parallel sampling (chapter 10): split and fork give the same answers, copy-on-write never
+writes into a shared block, counts return to zero, and one forked child can be preempted."""
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from minipaged import LLM, SamplingParams
+from minipaged.engine import LLMEngine
+from minipaged.kv_cache import KVCache
+from minipaged.model import ModelConfig, random_model
+from minipaged.prefix_cache import PrefixCachingKVCacheManager
+from minipaged.scheduler import KVCacheManager, Request, RequestStatus
+from minipaged.sharing import (
+    CopyOnWriteError,
+    ForkSampling,
+    ParentRequest,
+    SplitSampling,
+    check_writes,
+    copy_blocks,
+    copy_on_write_manager,
+    flush_copies,
+    reference_copy_blocks,
+)
+
+MAX_LEN = 128
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny ops: a second thread only adds synchronisation
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model(ModelConfig.small(num_layers=1, max_position_embeddings=MAX_LEN), seed=0)
+
+
+def prompt_of(length, seed=1):
+    return torch.randint(0, 512, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def make_llm(model, mode, blocks=64, cache=False):
+    return LLM(model=model, seed=0, max_model_len=MAX_LEN, num_gpu_blocks_override=blocks,
+               enable_prefix_caching=cache, parallel_sampling=mode)
+
+
+def answers(llm, prompts, params):
+    return [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params,
+                                                                    use_tqdm=False)]
+
+
+def assert_all_free(llm):
+    pool = llm.llm_engine.pool
+    assert all(block.ref_cnt == 0 for block in pool.blocks)
+    assert pool.get_num_free_blocks() == pool.num_blocks
+    assert not llm.llm_engine.requests
+    assert not llm.llm_engine.scheduler.kv_cache_manager.block_tables
+
+
+# --- the parent and its children ----------------------------------------------------------
+
+
+def test_child_ids_and_seeds_follow_vllm():
+    parent = ParentRequest("7", [1, 2], SamplingParams(n=3, seed=10, temperature=0.5))
+    infos = [parent.get_child_info(i) for i in range(3)]
+    assert [child_id for child_id, _ in infos] == ["0_7", "1_7", "2_7"]
+    assert [p.seed for _, p in infos] == [10, 11, 12]
+    assert all(p.n == 1 and p.temperature == 0.5 for _, p in infos)
+    unseeded = ParentRequest("x", [1], SamplingParams(n=2))
+    assert [unseeded.get_child_info(i)[1].seed for i in range(2)] == [None, None]
+
+
+@pytest.mark.parametrize("n", [0, -1, True, 1.5, "2"])
+def test_bad_n_is_refused(n):
+    with pytest.raises(ValueError, match="n must be"):
+        SamplingParams(n=n)
+
+
+def test_bad_mode_is_refused(model):
+    with pytest.raises(ValueError, match="parallel_sampling"):
+        make_llm(model, "clone")
+
+
+@pytest.mark.parametrize("mode", ["split", "fork"])
+def test_generate_returns_one_output_with_n_completions(model, mode):
+    llm = make_llm(model, mode)
+    params = [SamplingParams(n=3, seed=1, max_tokens=4), SamplingParams(max_tokens=2)]
+    outs = llm.generate([{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [8]}], params,
+                        use_tqdm=False)
+    assert [o.request_id for o in outs] == ["0", "1"]
+    assert [c.index for c in outs[0].outputs] == [0, 1, 2]
+    assert [len(c.token_ids) for c in outs[0].outputs] == [4, 4, 4]
+    assert len(outs[1].outputs) == 1 and outs[0].finished and outs[1].finished
+    assert_all_free(llm)
+
+
+@pytest.mark.parametrize("mode", ["split", "fork"])
+def test_stream_with_n_gives_the_same_tokens_as_generate(model, mode):
+    prompts = [{"prompt_token_ids": prompt_of(21)}, {"prompt_token_ids": prompt_of(5, 2)}]
+    params = [SamplingParams(n=3, seed=4, max_tokens=5), SamplingParams(n=2, max_tokens=3)]
+    streamed = {}
+    for out in make_llm(model, mode).stream(prompts, params):
+        for completion in out.outputs:
+            streamed.setdefault((out.request_id, completion.index), []).extend(
+                completion.token_ids)
+    whole = make_llm(model, mode).generate(prompts, params, use_tqdm=False)
+    assert streamed == {(o.request_id, c.index): c.token_ids for o in whole for c in o.outputs}
+
+
+def test_a_stream_closed_early_withdraws_held_children(model):
+    llm = make_llm(model, "fork")
+    stream = llm.stream({"prompt_token_ids": prompt_of(40)}, SamplingParams(n=4, max_tokens=8))
+    next(stream)
+    stream.close()
+    assert_all_free(llm)
+
+
+# --- fork against split --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cache", [False, True])
+@pytest.mark.parametrize("seed", [3, None])
+def test_fork_and_split_sample_the_same_tokens(model, cache, seed):
+    prompts = [{"prompt_token_ids": prompt_of(n, n)} for n in (9, 16, 37)]
+    params = SamplingParams(n=4, seed=seed, temperature=1.0, max_tokens=10, ignore_eos=True)
+    split = make_llm(model, "split", cache=cache)
+    fork = make_llm(model, "fork", cache=cache)
+    assert answers(split, prompts, params) == answers(fork, prompts, params)
+    assert_all_free(split)
+    assert_all_free(fork)
+
+
+@pytest.mark.parametrize("length, copies", [(37, 3), (32, 0)])
+def test_fork_computes_the_prompt_once_and_copies_n_minus_one_partial_blocks(model, length,
+                                                                              copies):
+    llm = make_llm(model, "fork")
+    llm.generate({"prompt_token_ids": prompt_of(length)},
+                 SamplingParams(n=4, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    stats = llm.llm_engine.stats()
+    assert stats["num_computed_tokens"] == length + 4 * 5  # one prefill, then 5 decodes each
+    assert stats["num_copied_blocks"] == copies  # a full last block is never written again
+
+
+# --- the copy kernel and the write check ---------------------------------------------------
+
+
+def test_copy_kernel_equals_reference():
+    a = KVCache(2, 6, 4, 2, 8)
+    for layer in a.layers:
+        layer.copy_(torch.randn_like(layer))
+    b = KVCache(2, 6, 4, 2, 8)
+    for mine, theirs in zip(b.layers, a.layers):
+        mine.copy_(theirs)
+    copy_blocks(a, [0, 3, 4], [5, 1, 2], chunk=16)  # a chunk smaller than a block (64 values)
+    reference_copy_blocks(b, [0, 3, 4], [5, 1, 2])
+    assert all(torch.equal(x, y) for x, y in zip(a.layers, b.layers))
+    assert torch.equal(a.layers[1][5], a.layers[1][0])
+
+
+@pytest.mark.parametrize("src, dst", [([0], [1, 2]), ([0], [6]), ([0, 1], [2, 2]),
+                                      ([0, 1], [1, 2])])
+def test_bad_copy_pairs_are_refused_before_any_copy(src, dst):
+    cache = KVCache(1, 6, 4, 1, 8)
+    cache.layers[0].copy_(torch.randn_like(cache.layers[0]))
+    before = cache.layers[0].clone()
+    with pytest.raises(ValueError, match="block"):
+        copy_blocks(cache, src, dst)
+    assert torch.equal(cache.layers[0], before)
+
+
+def forked_pair(base=KVCacheManager, num_blocks=8, prompt=6, block_size=4):
+    """A copy-on-write manager with a parent of `prompt` computed tokens and a forked child."""
+    pool = base.pool_class(num_blocks, block_size)
+    manager = copy_on_write_manager(base)(pool)
+    manager.kv_cache = KVCache(1, num_blocks, block_size, 1, 8)
+    manager.kv_cache.layers[0].copy_(torch.randn_like(manager.kv_cache.layers[0]))
+    params = SamplingParams(max_tokens=4)
+    parent, child = Request("p", list(range(prompt)), params), Request("c", list(range(prompt)),
+                                                                      params)
+    assert manager.allocate_slots(parent, prompt)
+    parent.num_computed_tokens = child.num_computed_tokens = prompt
+    manager.fork(parent, child)
+    parent.append_output_token(1)
+    child.append_output_token(2)
+    return manager, parent, child
+
+
+@pytest.mark.parametrize("base", [KVCacheManager, PrefixCachingKVCacheManager])
+def test_copy_on_write_copies_the_shared_block_before_the_write(base):
+    manager, parent, child = forked_pair(base)
+    shared = manager.block_tables["p"].blocks[1]  # positions 4-5 written, 6 is next
+    assert shared.ref_cnt == 2
+    assert manager.allocate_slots(child, 1)
+    copy = manager.block_tables["c"].blocks[1]
+    assert shared.ref_cnt == 2  # the parent, and the copy still to be made
+    assert manager.allocate_slots(parent, 1)  # the last holder writes in place
+    flush_copies(manager)  # the engine does this just before the forward pass
+    assert copy is not shared and copy.ref_cnt == 1 and shared.ref_cnt == 1
+    layer = manager.kv_cache.layers[0]
+    assert torch.equal(layer[copy.block_id], layer[shared.block_id])
+    assert manager.block_tables["c"].blocks[0] is manager.block_tables["p"].blocks[0]
+    assert manager.block_tables["p"].blocks[1] is shared and manager.num_copied_blocks == 1
+    manager.get_block_table(parent), manager.get_block_table(child)  # both pass the check
+
+
+def test_the_write_path_refuses_a_shared_block():
+    manager, parent, child = forked_pair()
+    KVCacheManager.allocate_slots(manager, child, 1)  # growth without copy-on-write
+    table = manager.block_tables["c"]
+    with pytest.raises(CopyOnWriteError, match="would write into block"):
+        check_writes(manager.pool, torch.tensor([table.slot(6)]), 4)
+    check_writes(manager.pool, torch.tensor([-1]), 4)  # padding writes nothing
+
+
+def test_an_engine_without_copy_on_write_is_stopped_before_the_write(model, monkeypatch):
+    # one token per step, so that one child at a time writes (two writers of one slot in a
+    # step are refused earlier, by chapter 7's metadata check)
+    llm = LLM(model=model, seed=0, max_model_len=MAX_LEN, num_gpu_blocks_override=64,
+              enable_prefix_caching=False, parallel_sampling="fork", max_num_batched_tokens=1)
+    manager = llm.llm_engine.scheduler.kv_cache_manager
+    monkeypatch.setattr(type(manager), "shared_write_targets", lambda self, r, n: [])
+    with pytest.raises(CopyOnWriteError):
+        llm.generate({"prompt_token_ids": prompt_of(37)}, SamplingParams(n=2, max_tokens=4),
+                     use_tqdm=False)
+
+
+def test_a_refused_copy_changes_nothing():
+    manager, parent, child = forked_pair(num_blocks=2, prompt=6)  # both blocks held, none free
+    tables = {k: list(t.blocks) for k, t in manager.block_tables.items()}
+    counts = [b.ref_cnt for b in manager.pool.blocks]
+    assert not manager.allocate_slots(child, 1)
+    assert {k: list(t.blocks) for k, t in manager.block_tables.items()} == tables
+    assert [b.ref_cnt for b in manager.pool.blocks] == counts and manager.num_copied_blocks == 0
+
+
+# --- preempting one child of a forked group ------------------------------------------------
+
+
+@pytest.mark.parametrize("cache", [False, True])
+def test_preempting_one_forked_child(model, cache):
+    """The victim drops its count on every shared block (they survive: its siblings hold them),
+    returns its private blocks, recomputes its prompt and tokens, and answers as if never
+    preempted."""
+    prompt = prompt_of(37)
+    params = SamplingParams(n=3, seed=5, max_tokens=8, ignore_eos=True)
+    expected = answers(make_llm(model, "split"), {"prompt_token_ids": prompt}, params)
+    llm = make_llm(model, "fork", cache=cache)
+    engine = llm.llm_engine
+    parent = engine.add_request("g", prompt, params)
+    while parent.child_requests[2].num_output_tokens < 3:
+        engine.step()
+    victim, sibling = parent.child_requests[1], parent.child_requests[0]
+    manager = engine.scheduler.kv_cache_manager
+    shared = [b for b in manager.block_tables[victim.request_id].blocks if b.ref_cnt == 3]
+    assert len(shared) == 37 // 16  # the full prompt blocks, held by all three
+    engine.scheduler.running.remove(victim)
+    engine.scheduler.preempt(victim)
+    assert all(b.ref_cnt == 2 for b in shared)  # one owner fewer, still alive
+    assert manager.block_tables[sibling.request_id].blocks[:len(shared)] == shared
+    assert victim.num_computed_tokens == 0 and victim.status is RequestStatus.PREEMPTED
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert [c.output_token_ids for c in parent.child_requests] == expected[0]
+    assert_all_free(llm)
+
+
+# --- properties ----------------------------------------------------------------------------
+
+
+@pytest.mark.heavy
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                               HealthCheck.function_scoped_fixture])
+@given(n=st.integers(1, 5), lengths=st.lists(st.integers(1, 60), min_size=1, max_size=3),
+       blocks=st.integers(MAX_LEN // 16, 40), cache=st.booleans(), mode=st.sampled_from(
+           ["split", "fork"]), max_tokens=st.integers(1, 20))
+def test_any_pool_any_n_same_answers_and_counts_back_to_zero(model, n, lengths, blocks, cache,
+                                                             mode, max_tokens):
+    prompts = [{"prompt_token_ids": prompt_of(length, i)} for i, length in enumerate(lengths)]
+    params = SamplingParams(n=n, seed=9, max_tokens=max_tokens, ignore_eos=True)
+    expected = answers(make_llm(model, "split", blocks=256), prompts, params)
+    llm = make_llm(model, mode, blocks=blocks, cache=cache)  # 8 blocks: starved
+    assert answers(llm, prompts, params) == expected
+    assert_all_free(llm)
+
+
+def test_modes_are_registered_classes():
+    from minipaged.engine import PARALLEL_SAMPLING
+
+    assert PARALLEL_SAMPLING == {"split": SplitSampling, "fork": ForkSampling}
+    engine = LLMEngine(random_model(ModelConfig.small(num_layers=1), seed=0), 64,
+                       max_model_len=MAX_LEN, parallel_sampling="fork")
+    assert type(engine.scheduler.kv_cache_manager).__name__ == "CopyOnWriteKVCacheManager"
+
+
+# --- sub-block prefix matching -------------------------------------------------------------
+
+
+def sub_block_llm(model, unit, mode="split", blocks=256):
+    from minipaged.sharing import set_prefix_match_unit
+
+    llm = make_llm(model, mode, blocks=blocks, cache=True)
+    set_prefix_match_unit(llm.llm_engine, unit)
+    return llm
+
+
+def shared_prefix_prompts(lengths, seed=0):
+    """One long base prompt, and prompts agreeing with it on the given numbers of tokens."""
+    base = prompt_of(100, seed)
+    rng = torch.Generator().manual_seed(seed + 1)
+    return [{"prompt_token_ids": base[:k] + torch.randint(0, 512, (9,), generator=rng).tolist()}
+            for k in lengths]
+
+
+def test_a_partial_match_finds_the_agreeing_tokens_and_copies_once(model):
+    llm = sub_block_llm(model, 1)
+    first = prompt_of(60)
+    greedy = SamplingParams(temperature=0, max_tokens=3)
+    llm.generate({"prompt_token_ids": first}, greedy, use_tqdm=False)
+    (out,) = llm.generate({"prompt_token_ids": first[:37] + [1, 2]}, greedy, use_tqdm=False)
+    stats = llm.llm_engine.stats()
+    assert (stats["sub_block_tokens"], stats["sub_block_copies"]) == (5, 1)
+    assert stats["prefix_cache_hits"] == 32
+    (plain,) = make_llm(model, "split").generate({"prompt_token_ids": first[:37] + [1, 2]},
+                                                  greedy, use_tqdm=False)
+    assert out.outputs[0].token_ids == plain.outputs[0].token_ids
+    assert_all_free(llm)
+
+
+def test_the_unit_rounds_the_match_down(model):
+    llm = sub_block_llm(model, 4)
+    first = prompt_of(60)
+    greedy = SamplingParams(temperature=0, max_tokens=1)
+    llm.generate({"prompt_token_ids": first}, greedy, use_tqdm=False)
+    llm.generate({"prompt_token_ids": first[:39] + [1, 2]}, greedy, use_tqdm=False)
+    assert llm.llm_engine.stats()["sub_block_tokens"] == 4  # 7 agree, rounded down to 4
+
+
+def test_a_salt_keeps_first_blocks_apart(model):
+    from minipaged.sharing import SubBlockPrefixCachingKVCacheManager
+
+    manager = sub_block_llm(model, 1).llm_engine.scheduler.kv_cache_manager
+    assert isinstance(manager, SubBlockPrefixCachingKVCacheManager)
+    plain = Request("a", [1, 2, 3], SamplingParams())
+    salted = Request("b", [1, 2, 3], SamplingParams(), cache_salt="s")
+    assert manager.chain_key(plain, 0) != manager.chain_key(salted, 0)
+
+
+@pytest.mark.parametrize("unit, message", [(3, "power of two"), (32, "dividing"),
+                                           (0, "prefix_match_unit")])
+def test_bad_units_are_refused(model, unit, message):
+    from minipaged.sharing import set_prefix_match_unit
+
+    llm = make_llm(model, "split", cache=True)
+    manager = llm.llm_engine.scheduler.kv_cache_manager
+    with pytest.raises(ValueError, match=message):
+        set_prefix_match_unit(llm.llm_engine, unit)
+    assert llm.llm_engine.scheduler.kv_cache_manager is manager
+    with pytest.raises(ValueError, match="prefix cache"):
+        set_prefix_match_unit(make_llm(model, "split").llm_engine, 4)
+
+
+@pytest.mark.heavy
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                               HealthCheck.function_scoped_fixture])
+@given(lengths=st.lists(st.integers(1, 100), min_size=2, max_size=6),
+       unit=st.sampled_from([1, 2, 8]), blocks=st.integers(MAX_LEN // 16, 40),
+       mode=st.sampled_from(["split", "fork"]), n=st.integers(1, 3))
+def test_sub_block_hits_give_the_answers_of_no_cache(model, lengths, unit, blocks, mode, n):
+    prompts = shared_prefix_prompts(lengths)
+    params = SamplingParams(n=n, seed=2, max_tokens=6, ignore_eos=True)
+    expected = answers(make_llm(model, "split", blocks=256), prompts, params)
+    llm = sub_block_llm(model, unit, mode, blocks)
+    got = []
+    for prompt in prompts:  # one after another, so that each finds what the others left
+        got += answers(llm, [prompt], params)
+    assert got == expected
+    assert_all_free(llm)
+
+
+@pytest.mark.parametrize("cache", [False, True])
+def test_fork_under_preemption_by_swap(model, cache):
+    """Chapter 11's swaps and this chapter's copies are both made just before the forward pass,
+    swaps first: a block a swapped-out child frees may be a copy's destination in the same step."""
+    prompts = [{"prompt_token_ids": prompt_of(n, n)} for n in (37, 50, 9)]
+    params = SamplingParams(n=3, seed=1, max_tokens=30, ignore_eos=True)
+    expected = answers(make_llm(model, "split", blocks=256), prompts, params)
+    llm = LLM(model=model, seed=0, max_model_len=MAX_LEN, num_gpu_blocks_override=10,
+              enable_prefix_caching=cache, parallel_sampling="fork", preemption_mode="swap")
+    assert answers(llm, prompts, params) == expected
+    assert llm.llm_engine.stats()["num_preemptions"] > 0
+    assert_all_free(llm)
