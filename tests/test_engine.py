@@ -235,7 +235,8 @@ def test_methods_attached_after_the_fact_are_not_public_functions(module):
     public = [name for name, value in vars(module).items()
               if not name.startswith("_") and inspect.isfunction(value) and id(value) in methods]
     assert public == []
-    assert not hasattr(module, "generate") and not hasattr(module, "schedule")
+    # add_to_class leaves None where a method was written: nothing callable but the method
+    assert getattr(module, "generate", None) is None and getattr(module, "schedule", None) is None
 
 
 def test_unseeded_sampling_is_reproducible_across_processes():
