@@ -141,14 +141,6 @@ ANY_VALUE = st.one_of(
 
 
 @pytest.fixture(scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny ops: a second thread only adds synchronisation
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
 def small_llm(one_thread):
     return LLM(model=random_model(ModelConfig.small(num_layers=1), seed=0), max_model_len=64,
                num_gpu_blocks_override=6)
