@@ -105,8 +105,6 @@ def test_values_are_stored_as_plain_python_types():
     assert params.stop_token_ids == [1, 2]
 
 
-@pytest.mark.xfail(strict=True, raises=OverflowError,
-                   reason="chapter 1's check_number lets float()'s OverflowError through")
 def test_an_integer_too_large_for_a_float_is_a_value_error():
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=10**400)
