@@ -382,3 +382,20 @@ def test_prefix_stage_measures_the_cache_off_and_on(tmp_path, monkeypatch):
     assert ttft == [("time to first token, cold", "24"), ("time to first token, warm", "24"),
                     ("time to first token, cold", "40"), ("time to first token, warm", "40")]
     assert all(float(r["ttft_ms"]) > 0 for r in rows if r["ttft_ms"])
+
+
+def test_a_gpu_table_reads_as_markdown_under_its_cards_name(tmp_path):
+    folder = _run(tmp_path, "NVIDIA_H200", {"device": "cuda", "gpu": "NVIDIA H200",
+                                            "started_at": "1"}, tables=())
+    (folder / "prefix.csv").write_text("gpu,experiment,seconds,prefix_tokens\n"
+                                       "NVIDIA H200,cold|warm,0.74123,2407\n"
+                                       "NVIDIA H200,off,7.93,128\n")
+    table = gpu_results("prefix", root=tmp_path).markdown_table(
+        ["experiment", "seconds"], where={"prefix_tokens": 2407})
+    assert table.splitlines()[0] == "Measured on an NVIDIA H200 by bench/gpu_check (not a T4):"
+    assert table.splitlines()[2:] == ["| experiment | seconds |", "| --- | --- |",
+                                      "| cold\\|warm | 0.741 |"]
+    t4 = _run(tmp_path, "Tesla_T4", {"device": "cuda", "gpu": "Tesla T4", "started_at": "2"},
+              tables=("prefix",))
+    assert "not a T4" not in gpu_results("prefix", root=tmp_path).markdown_table(["ms"])
+    assert t4.name == "Tesla_T4"
