@@ -86,7 +86,7 @@ def main() -> None:
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     ours_seconds = time.perf_counter() - start
     stats = llm.llm_engine.stats()
-    per_token = config.kv_bytes_per_token(4)
+    per_token = config.model_shape(4).kv_bytes_per_token
     ours_cache = stats["peak_num_used_blocks"] * llm.llm_engine.pool.block_size * per_token
     agree = sum(o.outputs[0].token_ids == t for o, t in zip(outputs, hf_tokens))
 

@@ -197,7 +197,7 @@ def test_sampling_params_list_must_match(model):
 def test_random_preset_and_cpu_budget():
     llm = LLM(model="random", max_model_len=256, seed=3)
     pool = llm.llm_engine.pool
-    per_token = llm.model.config.kv_bytes_per_token(4)
+    per_token = llm.model.config.model_shape(4).kv_bytes_per_token
     assert pool.num_blocks == 256 * 2**20 // (per_token * 16)
     out = llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=3),
                        use_tqdm=False)

@@ -286,7 +286,7 @@ def test_real_geometry_is_qwen2_5_0_5b():
     config = chapters.real_geometry()
     assert (config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads,
             config.head_dim, config.vocab_size) == (24, 14, 2, 64, 151936)
-    assert config.kv_bytes_per_token(2) == QWEN2_5_0_5B.kv_bytes_per_token
+    assert config.model_shape(2).kv_bytes_per_token == QWEN2_5_0_5B.kv_bytes_per_token
 
 
 # ---- the kernels benchmark and the orchestrator, at dry-run size ----

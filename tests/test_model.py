@@ -105,7 +105,7 @@ def run_schedule(model, prompts, tables, num_blocks, chunks):
 def test_config_from_the_real_checkpoint():
     config = ModelConfig.from_hf_config(QWEN_CONFIG)
     assert config.head_dim == 64 and config.num_key_value_heads == 2
-    assert config.kv_bytes_per_token(2) == 12_288
+    assert config.model_shape(2).kv_bytes_per_token == 12_288
     assert config.eos_token_id == 151645
 
 

@@ -217,7 +217,7 @@ def engine(ctx: Context) -> None:
     ctx.require_cuda()
     device, model = ctx.device(), model_at_real_geometry(ctx)
     config = model.config
-    per_token = config.kv_bytes_per_token(next(model.parameters()).element_size())
+    per_token = config.model_shape(next(model.parameters()).element_size()).kv_bytes_per_token
     max_len = 64 if ctx.dry_run else 4096  # the longest mixed prompt, plus its answer
     gpu = "CPU dry run" if ctx.dry_run else torch.cuda.get_device_name(device)
     generator = torch.Generator().manual_seed(0)
@@ -348,7 +348,7 @@ def syncs(ctx: Context) -> None:
     lengths = (40, 9, 23, 17) if ctx.dry_run else (700, 180, 95, 2100, 300, 33, 1200, 410)
     pool_tokens = sum(lengths) + 64 * len(lengths)  # room for every request at once
     llm = LLM(model=model, kv_cache_memory_bytes=pool_tokens
-              * config.kv_bytes_per_token(next(model.parameters()).element_size()),
+              * config.model_shape(next(model.parameters()).element_size()).kv_bytes_per_token,
               max_model_len=256 if ctx.dry_run else 4096, max_num_batched_tokens=2048,
               enable_prefix_caching=False)
     params = SamplingParams(temperature=0, max_tokens=6 if ctx.dry_run else 24, ignore_eos=True)
@@ -417,7 +417,7 @@ def prefix(ctx: Context) -> None:
     shared_len, lengths = (40, (24, 40)) if ctx.dry_run else (2407, (128, 1024, 2048, 4096))
     num_requests, new_tokens = (4, 2) if ctx.dry_run else (16, 8)
     max_len = max(lengths) + 64
-    per_token = config.kv_bytes_per_token(next(model.parameters()).element_size())
+    per_token = config.model_shape(next(model.parameters()).element_size()).kv_bytes_per_token
     generator = torch.Generator().manual_seed(2)
     tokens = lambda n: torch.randint(1, config.vocab_size, (n,), generator=generator).tolist()
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
