@@ -18,6 +18,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import browser_check  # noqa: E402
 
+pytestmark = pytest.mark.heavy  # starts a browser
+
 PNG = bytes.fromhex(  # a 1x1 PNG
     "89504e470d0a1a0a0000000d49484452000000010000000108060000001f15c489"
     "0000000d49444154789c6360f8cfc0f01f0005000201a5ddc2a80000000049454e44ae426082")

@@ -234,6 +234,7 @@ def test_methods_attached_after_the_fact_are_not_public_functions(module):
     assert getattr(module, "generate", None) is None and getattr(module, "schedule", None) is None
 
 
+@pytest.mark.heavy  # a subprocess or a scratch repository: seconds
 def test_unseeded_sampling_is_reproducible_across_processes():
     # LLM(seed=...) must give the same samples in a new process, whatever Python's hash seed.
     script = ("from minipaged import LLM, SamplingParams; llm = LLM(model='random', seed=3); "

@@ -52,6 +52,7 @@ def test_the_encoding_is_the_documented_layout():
     assert encode_extra_key((1,)) != encode_extra_key(("1",))
 
 
+@pytest.mark.heavy  # a subprocess or a scratch repository: seconds
 def test_the_hash_is_the_same_in_another_process():
     import subprocess
     import sys

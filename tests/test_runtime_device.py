@@ -30,6 +30,7 @@ def run(script: str, **env: str) -> subprocess.CompletedProcess:
                           env=clean | env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.heavy  # a subprocess that imports torch: seconds
 def test_minipaged_device_cpu_on_a_gpu_machine_turns_the_interpreter_on():
     result = run("""
         import os
@@ -41,6 +42,7 @@ def test_minipaged_device_cpu_on_a_gpu_machine_turns_the_interpreter_on():
     assert result.stdout.split() == ["1", "cpu", "torch.float32", "small"]
 
 
+@pytest.mark.heavy  # a subprocess that imports torch: seconds
 def test_a_gpu_machine_left_alone_compiles_the_kernels():
     result = run("""
         import os
@@ -52,6 +54,7 @@ def test_a_gpu_machine_left_alone_compiles_the_kernels():
     assert result.stdout.split() == ["None", "cuda", "torch.float16", "full"]
 
 
+@pytest.mark.heavy  # a subprocess that imports torch: seconds
 def test_cpu_chosen_after_import_but_before_triton_still_gets_the_interpreter():
     result = run("""
         import os, sys
@@ -65,6 +68,7 @@ def test_cpu_chosen_after_import_but_before_triton_still_gets_the_interpreter():
     assert result.stdout.split() == ["cpu", "1"]
 
 
+@pytest.mark.heavy  # a subprocess that imports torch: seconds
 def test_cpu_chosen_after_triton_was_compiled_for_says_so_loudly():
     result = run("""
         import os, warnings

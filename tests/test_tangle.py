@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import jupytext
+import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,6 +47,7 @@ def test_committed_package_matches_a_fresh_tangle():
     assert result.returncode == 0, result.stderr
 
 
+@pytest.mark.heavy  # a subprocess or a scratch repository: seconds
 def test_check_catches_a_hand_edited_generated_file(tmp_path):
     repo = copy_of_repo(tmp_path)
     memory = repo / "minipaged" / "memory.py"
@@ -55,6 +57,7 @@ def test_check_catches_a_hand_edited_generated_file(tmp_path):
     assert "minipaged/memory.py differs" in result.stderr
 
 
+@pytest.mark.heavy  # a subprocess or a scratch repository: seconds
 def test_check_catches_a_stale_twin_and_tangle_repairs_it(tmp_path):
     repo = copy_of_repo(tmp_path)
     chapter = repo / "chapters" / "01_kv_memory.md"
@@ -70,6 +73,7 @@ def test_check_catches_a_stale_twin_and_tangle_repairs_it(tmp_path):
     assert "EXTRA = 1" in (repo / "minipaged" / "memory.py").read_text()
 
 
+@pytest.mark.heavy  # a subprocess or a scratch repository: seconds
 def test_a_module_file_no_chapter_writes_is_reported(tmp_path):
     repo = copy_of_repo(tmp_path)
     (repo / "minipaged" / "orphan.py").write_text("x = 1\n")
@@ -111,6 +115,7 @@ def test_every_block_marker_names_the_chapter_line_its_code_starts_on():
     assert markers == exported  # one marker per exported cell, none missing
 
 
+@pytest.mark.heavy  # a subprocess or a scratch repository: seconds
 def test_check_prints_the_diff_and_the_chapter_line_of_the_edited_block(tmp_path):
     repo = copy_of_repo(tmp_path)
     memory = repo / "minipaged" / "memory.py"
@@ -126,6 +131,7 @@ def test_check_prints_the_diff_and_the_chapter_line_of_the_edited_block(tmp_path
     assert "-" + target in result.stderr.splitlines()
 
 
+@pytest.mark.heavy  # a subprocess or a scratch repository: seconds
 def test_tangle_refuses_to_overwrite_a_hand_edited_module_and_says_where_to_move_it(tmp_path):
     repo = copy_of_repo(tmp_path)
     blocks = repo / "minipaged" / "blocks.py"
@@ -145,6 +151,7 @@ def test_tangle_refuses_to_overwrite_a_hand_edited_module_and_says_where_to_move
     assert check(repo).returncode == 0
 
 
+@pytest.mark.heavy  # a subprocess or a scratch repository: seconds
 def test_a_merge_conflict_in_a_generated_module_is_resolved_by_tangle(tmp_path):
     repo = copy_of_repo(tmp_path)
     blocks = repo / "minipaged" / "blocks.py"
@@ -156,6 +163,7 @@ def test_a_merge_conflict_in_a_generated_module_is_resolved_by_tangle(tmp_path):
     assert blocks.read_text() == fresh
 
 
+@pytest.mark.heavy  # a subprocess or a scratch repository: seconds
 def test_a_merge_that_only_moved_markers_is_not_taken_for_a_hand_edit(tmp_path):
     repo = copy_of_repo(tmp_path)
     blocks = repo / "minipaged" / "blocks.py"
@@ -168,6 +176,7 @@ def test_a_merge_that_only_moved_markers_is_not_taken_for_a_hand_edit(tmp_path):
     assert blocks.read_text() == fresh
 
 
+@pytest.mark.heavy  # a subprocess or a scratch repository: seconds
 def test_tangle_refuses_to_delete_a_module_no_chapter_wrote(tmp_path):
     repo = copy_of_repo(tmp_path)
     handmade = repo / "minipaged" / "handmade.py"
@@ -177,6 +186,7 @@ def test_tangle_refuses_to_delete_a_module_no_chapter_wrote(tmp_path):
     assert handmade.exists()
 
 
+@pytest.mark.heavy  # a subprocess or a scratch repository: seconds
 def test_a_chapter_edit_is_tangled_without_complaint(tmp_path):
     repo = copy_of_repo(tmp_path)
     chapter = repo / "chapters" / "01_kv_memory.md"
@@ -248,6 +258,7 @@ def tiny_book(repo: Path, chapters: dict[str, str]) -> Path:
     return repo
 
 
+@pytest.mark.heavy  # a subprocess or a scratch repository: seconds
 def test_the_chapter_check_runs_a_changed_chapter_and_catches_a_stale_demo_cell(tmp_path):
     repo = tiny_book(tmp_path, {"01_tiny.md": TINY_CHAPTER, "02_other.md": OTHER_CHAPTER})
     git(repo, "checkout", "-qb", "rename")
@@ -266,6 +277,7 @@ def test_the_chapter_check_runs_a_changed_chapter_and_catches_a_stale_demo_cell(
     assert result.returncode != 0 and "blocks_needed" in result.stdout
 
 
+@pytest.mark.heavy  # a subprocess or a scratch repository: seconds
 def test_a_chapter_importing_a_changed_module_is_selected_too(tmp_path):
     import_cell = "```{code-cell} ipython3\nfrom minipaged.tiny import blocks_needed\n```\n\n"
     importer = OTHER_CHAPTER.replace("A demo cell", import_cell + "A demo cell")
@@ -288,6 +300,7 @@ def test_make_check_runs_the_changed_chapters():
         assert "make check" in (ROOT / doc).read_text(), doc
 
 
+@pytest.mark.heavy  # a subprocess or a scratch repository: seconds
 def test_a_prose_edit_runs_only_its_own_chapter(tmp_path):
     repo = tiny_book(tmp_path, {"01_tiny.md": TINY_CHAPTER,
                                 "02_other.md": OTHER_CHAPTER + "\nUses minipaged.tiny.\n"})
