@@ -63,6 +63,7 @@ class Allocation:
     on_device: bool
     model: Allocation | None = None  # an engine's weights
     activation: int = 0  # an engine's peak for one step
+    options: dict = field(default_factory=dict)  # an engine's LLM options
     config: object = None  # a model's ModelConfig
     dtype_bytes: int = 2
 
@@ -106,6 +107,22 @@ def random_tensor(ledger, args, kwargs, node):
     if isinstance(size, (tuple, list)) and all(isinstance(s, int) for s in size):
         return Shaped(tuple(size))
     return UNKNOWN
+
+
+@dataclass
+class Params:
+    """SamplingParams as the ledger needs them: n and max_tokens (vLLM's default 16)."""
+
+    options: dict
+
+    @property
+    def n(self) -> int:
+        n = self.options.get("n", 1)
+        return n if isinstance(n, int) else 1
+
+    @property
+    def max_tokens(self):
+        return self.options.get("max_tokens", 16)
 
 
 class Native:
@@ -166,6 +183,19 @@ class ChapterLedger:
     unreached: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     unknown: list[str] = field(default_factory=list)  # device allocations of unknown size
+    work: Work = field(default_factory=lambda: Work())
+
+
+@dataclass
+class Work:
+    """The model work a chapter asks of the GPU at full size, as the ledger counts it: steps
+    (forward passes), prompt tokens computed, tokens generated; requests of unknown length."""
+
+    steps: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    unknown_requests: int = 0
+    weight_bytes: int = 0  # the largest model the chapter runs, for the bandwidth floor
 
 
 def activation_bytes(config, num_tokens: int, num_rows: int, dtype_bytes: int) -> int:
@@ -280,6 +310,7 @@ class Ledger:
                             pick=Native(lambda led, a, k, n: k["full"] if "full" in k else a[1]))
         detect = Native(lambda *_: runtime)
         native = {
+            "SamplingParams": Native(lambda led, a, k, n: Params(k)),
             "LLM": Native(self.llm), "LLMEngine": Native(self.llm_engine),
             "KVCache": Native(self.kv_cache), "load_model": Native(self.load_model),
             "random_model": Native(self.random_model),
@@ -466,7 +497,48 @@ class Ledger:
             return UNKNOWN
         return self.allocate(Allocation(f"{what}: {num_blocks:,} blocks",
                                         num_blocks * block_bytes, True, model=model,
-                                        activation=activation))
+                                        activation=activation,
+                                        options=dict(max_num_seqs=max_num_seqs,
+                                                     max_num_batched_tokens=tokens)))
+
+    # ---- work ----
+
+    def generate(self, engine: Allocation, args, kwargs) -> Unknown:
+        """Count the steps and tokens of llm.generate / llm.stream: prompts prefilled in steps
+        of max_num_batched_tokens, then one step per generated token for each batch of
+        max_num_seqs requests (preemption's extra steps are not counted)."""
+        prompts = args[0] if args else kwargs.get("prompts", UNKNOWN)
+        params = args[1] if len(args) > 1 else kwargs.get("sampling_params", Params({}))
+        prompts = [prompts] if isinstance(prompts, (dict, str)) else prompts
+        if not isinstance(prompts, (list, tuple)):
+            self.result.work.unknown_requests += 1
+            return UNKNOWN
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        work, options = self.result.work, engine.options
+        lengths, answers = [], []
+        for prompt, param in zip(prompts, params):
+            ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
+            param = param if isinstance(param, Params) else Params({})
+            if not isinstance(ids, list) or not isinstance(param.max_tokens, int):
+                work.unknown_requests += 1
+                continue
+            lengths.append(len(ids))
+            answers += [param.max_tokens] * param.n
+        seqs, budget = options.get("max_num_seqs", 256), options.get("max_num_batched_tokens",
+                                                                      2048)
+        batches = [answers[i:i + seqs] for i in range(0, len(answers), seqs)]
+        work.steps += math.ceil(sum(lengths) / budget) + sum(max(b) for b in batches)
+        work.prompt_tokens += sum(lengths)
+        work.generated_tokens += sum(answers)
+        if engine.model is not None:
+            work.weight_bytes = max(work.weight_bytes, engine.model.nbytes)
+        return UNKNOWN
+
+    def forward(self, model: Allocation, steps: int) -> Unknown:
+        """A model called directly, or transformers' generate: steps forward passes."""
+        self.result.work.steps += steps
+        self.result.work.weight_bytes = max(self.result.work.weight_bytes, model.nbytes)
+        return UNKNOWN
 
     def llm(self, ledger, args, kwargs, node) -> Allocation | Unknown:
         model = self.model_of(args[0] if args else kwargs.get("model", "random"), kwargs)
@@ -705,6 +777,14 @@ class Ledger:
                 return value.config
             if name in ("to", "eval", "half", "cuda"):
                 return Native(lambda led, a, k, n, v=value, m=name: self.model_to(v, m, a, k))
+            if value.on_device and value.model is not None and name in ("generate", "stream"):
+                return Native(lambda led, a, k, n, v=value: self.generate(v, a, k))
+            if value.on_device and value.model is not None and name == "step":
+                return Native(lambda led, a, k, n, v=value: self.forward(v.model, 1))
+            if value.on_device and value.config is not None and name == "generate":
+                return Native(lambda led, a, k, n, v=value: self.forward(
+                    v, k.get("max_new_tokens", 20) if isinstance(k.get("max_new_tokens", 20),
+                                                                int) else 1))
             return UNKNOWN
         if isinstance(value, (Device, DType)):
             return getattr(value, name, UNKNOWN)
@@ -883,6 +963,8 @@ class Ledger:
                 return UNKNOWN
         if isinstance(func, Function):
             return self.call(func, args, kwargs)
+        if isinstance(func, Allocation) and func.on_device and func.config is not None:
+            return self.forward(func, 1)  # model(input_ids, metadata, kv_cache)
         return UNKNOWN
 
     def call(self, function: Function, args, kwargs):
