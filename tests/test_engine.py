@@ -667,3 +667,34 @@ def test_profiling_out_of_memory_is_a_clear_refusal(model, simulated_gpu, monkey
     with pytest.raises(ValueError, match="No available memory to profile a forward pass of "
                                          "max_num_batched_tokens=2048"):
         LLM(model=model)
+
+
+@pytest.mark.heavy  # Triton's interpreter runs every layer's kernels: seconds
+def test_host_reads_per_step_do_not_grow_with_the_layers(monkeypatch):
+    """A step checks its metadata once, on the host; no layer reads a tensor back (a sync on a
+    GPU). The engine's own reads of tensors are counted for 2 and 6 layers: the same."""
+    package = os.path.dirname(minipaged.engine.__file__)
+    counts = []
+    for num_layers in (2, 6):
+        model = random_model(ModelConfig.small(num_layers=num_layers), seed=0,
+                             attention_backend="triton")
+        llm = LLM(model=model, max_model_len=64, num_gpu_blocks_override=16,
+                  enable_prefix_caching=False)
+        reads = []
+        with monkeypatch.context() as patch:
+            for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__",
+                         "__index__"):
+                original = getattr(torch.Tensor, name)
+
+                def counted(tensor, *args, _original=original, _reads=reads, **kwargs):
+                    caller = sys._getframe(1).f_code.co_filename
+                    if caller.startswith(package):  # minipaged's reads, not the interpreter's
+                        _reads.append(caller)
+                    return _original(tensor, *args, **kwargs)
+                patch.setattr(torch.Tensor, name, counted)
+            llm.generate([{"prompt_token_ids": [1, 2, 3, 4, 5]}, {"prompt_token_ids": [7, 8]}],
+                         SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+                         use_tqdm=False)
+        counts.append((len(reads), llm.llm_engine.num_steps))
+    assert counts[0] == counts[1], counts
+    assert counts[0][0] <= 40 * counts[0][1]  # a few dozen checks a step, not per layer
