@@ -636,11 +636,13 @@ def simulated_gpu(monkeypatch):
 
 def test_gpu_budget_is_utilization_minus_what_is_used_and_the_forward_peak(model, simulated_gpu):
     total, simulated_gpu[0] = 16 * 2**30, 10 * 2**30  # 6 GiB held by others
-    llm = LLM(model=model, gpu_memory_utilization=0.5, enable_prefix_caching=False)
     per_block = model.config.model_shape(4).kv_bytes_per_token * 16
+    utilization = (6 * 2**30 + 300 * 2**20 + 1000 * per_block) / total  # about 1,000 blocks left
+    llm = LLM(model=model, gpu_memory_utilization=utilization, enable_prefix_caching=False)
     blocks = llm.llm_engine.pool.num_blocks
     assert llm.cache_size_source == "gpu_memory_utilization (after profiling)"
-    assert blocks == (total // 2 - 6 * 2**30 - 300 * 2**20) // per_block  # chapter 1's budget
+    assert blocks == (int(utilization * total) - 6 * 2**30 - 300 * 2**20) // per_block
+    assert blocks in (999, 1000)  # chapter 1's budget: utilization x total - used - activations
 
 
 def test_a_budget_the_card_cannot_give_is_refused_before_any_cache(model, simulated_gpu):
