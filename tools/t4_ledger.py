@@ -255,6 +255,25 @@ def items(iterable) -> list:
     return list(itertools.islice(iterable, LOOP_LIMIT))
 
 
+def length(iterable) -> int:
+    """How many items a loop over iterable runs (1 when the ledger cannot tell)."""
+    try:
+        return max(1, len(iterable)) if not isinstance(iterable, (Unknown, Shaped)) else 1
+    except TypeError:
+        return 1
+
+
+class Generator:
+    """numpy's default_rng as the ledger needs it: integers(...) of a known size."""
+
+    def integers(self, low, high=None, size=None):
+        if isinstance(size, int):
+            return Shaped((size,))
+        if isinstance(size, tuple) and all(isinstance(n, int) for n in size):
+            return Shaped(size)
+        return 0 if size is None else UNKNOWN
+
+
 def importable(module: str, name: str):
     """A minipaged module's value by name when it is data (a number, a shape, a dict), else
     Unknown: the ledger follows data into the chapters, and models functions itself."""
@@ -305,6 +324,7 @@ class Ledger:
             cuda=Namespace(is_available=Native(lambda *_: True),
                            empty_cache=Native(lambda *_: None),
                            synchronize=Native(lambda *_: None)))
+        self.numpy = Namespace(random=Namespace(default_rng=Native(lambda *_: Generator())))
         runtime = Namespace(full=True, device=cuda, dtype=fp16, scale="full",
                             gpu_name="Tesla T4",
                             pick=Native(lambda led, a, k, n: k["full"] if "full" in k else a[1]))
@@ -518,12 +538,12 @@ class Ledger:
         lengths, answers = [], []
         for prompt, param in zip(prompts, params):
             ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
-            param = param if isinstance(param, Params) else Params({})
-            if not isinstance(ids, list) or not isinstance(param.max_tokens, int):
+            n, max_tokens = getattr(param, "n", 1), getattr(param, "max_tokens", 16)
+            if not isinstance(ids, list) or not isinstance(max_tokens, int):
                 work.unknown_requests += 1
                 continue
             lengths.append(len(ids))
-            answers += [param.max_tokens] * param.n
+            answers += [max_tokens] * (n if isinstance(n, int) else 1)
         seqs, budget = options.get("max_num_seqs", 256), options.get("max_num_batched_tokens",
                                                                       2048)
         batches = [answers[i:i + seqs] for i in range(0, len(answers), seqs)]
@@ -573,6 +593,26 @@ class Ledger:
                 self.sites[id(node)] = f"cell {self.cell} line {node.lineno}"
         self.block(tree.body)
 
+    def run_exported(self, source: str, module: str) -> None:
+        """The package's code in a chapter: its data is read from the module it writes, its
+        plain functions are walked like the chapter's own; the constructors stay modelled."""
+        modelled = set(self.globals())
+        tree = ast.parse(source)
+        for node in tree.body:
+            if isinstance(node, ast.Assign):
+                for name in [t.id for t in node.targets if isinstance(t, ast.Name)]:
+                    if name not in modelled:
+                        self.frames[0][name] = importable(f"minipaged.{module}", name)
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                self.statement(node)
+            elif isinstance(node, ast.FunctionDef) and not node.decorator_list \
+                    and node.name not in modelled:
+                self.statement(node)
+                for call in ast.walk(node):
+                    if isinstance(call, ast.Call) and self.call_name(call) in ENGINE_CALLS \
+                            and not self.in_lambda(node, call):
+                        self.sites[id(call)] = f"cell {self.cell} line {call.lineno}"
+
     @staticmethod
     def call_name(node: ast.Call) -> str | None:
         func = node.func
@@ -621,7 +661,9 @@ class Ledger:
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
             for alias in node.names:
                 name = (alias.asname or alias.name).split(".")[0]
-                if isinstance(node, ast.ImportFrom) and name not in self.frames[0]:
+                if alias.name == "numpy":
+                    self.frames[-1][name] = self.numpy
+                elif isinstance(node, ast.ImportFrom) and name not in self.frames[0]:
                     self.frames[-1][name] = importable(node.module or "", alias.name)
                 elif name not in self.frames[0]:
                     self.frames[-1][name] = UNKNOWN
@@ -663,6 +705,7 @@ class Ledger:
     def loop(self, node: ast.For) -> None:
         iterable = self.eval(node.iter)
         values = items(iterable)
+        before = dataclasses.replace(self.result.work)
         try:
             for value in values:
                 self.bind(node.target, value)
@@ -674,6 +717,16 @@ class Ledger:
                 self.block(node.orelse)
         except Break:
             pass
+        self.scale_work(before, length(iterable) / max(1, len(values)))
+
+    def scale_work(self, before: Work, factor: float) -> None:
+        """A loop walked only LOOP_LIMIT times: its counted work, scaled to every iteration."""
+        if factor <= 1:
+            return
+        work = self.result.work
+        for name in ("steps", "prompt_tokens", "generated_tokens", "unknown_requests"):
+            done = getattr(work, name) - getattr(before, name)
+            setattr(work, name, getattr(before, name) + round(done * factor))
 
     def bind(self, target: ast.expr, value) -> None:
         if isinstance(target, ast.Name):
@@ -788,6 +841,8 @@ class Ledger:
             return UNKNOWN
         if isinstance(value, (Device, DType)):
             return getattr(value, name, UNKNOWN)
+        if isinstance(value, Generator) and name == "integers":
+            return Native(lambda led, a, k, n: value.integers(*a, **k))
         if isinstance(value, Shaped):
             if name == "tolist":
                 return Native(lambda *_: value.tolist())
@@ -902,10 +957,12 @@ class Ledger:
                 return
             first = generators[0]
             iterable = self.eval(first.iter)
-            for item in items(iterable):
+            values, before = items(iterable), dataclasses.replace(self.result.work)
+            for item in values:
                 self.bind(first.target, item)
                 if all(self.eval(test) is not False for test in first.ifs):
                     walk(generators[1:])
+            self.scale_work(before, length(iterable) / max(1, len(values)))
 
         try:
             walk(node.generators)
@@ -1005,12 +1062,8 @@ class Ledger:
         for self.cell, (source, module) in enumerate(chapter_cells(notebook)):
             if module is None:
                 self.run_cell(source)
-            else:  # the package's code: its data is read from the module, its functions modelled
-                for node in ast.parse(source).body:
-                    targets = node.targets if isinstance(node, ast.Assign) else []
-                    for name in [t.id for t in targets if isinstance(t, ast.Name)]:
-                        if name not in self.frames[0]:
-                            self.frames[0][name] = importable(f"minipaged.{module}", name)
+            else:
+                self.run_exported(source, module)
         self.result.unreached = [where for node, where in self.sites.items()
                                  if node not in self.reached]
         return self.result
