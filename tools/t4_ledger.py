@@ -2,9 +2,10 @@
 
 A chapter at full size (``runtime.pick(full=...)``, the real Qwen2.5-0.5B-Instruct in fp16) must
 fit a T4's 14.6 GiB with everything it keeps alive at once. This script checks that without a
-GPU. It reads each chapter's code cells (the ``.ipynb`` twins, exported cells left out) and walks
-them in order with a small interpreter that knows what the book's constructors put on the device
-and what ``runtime.pick`` returns at full size:
+GPU. It reads each chapter's code cells (the ``.ipynb`` twins; of an exported cell, the data it
+defines is read from the package and its plain functions are walked when called) and walks them
+in order with a small interpreter (tools/cell_walker.py) taught what the book's constructors put
+on the device and what ``runtime.pick`` returns at full size:
 
 * ``load_model(...)``, ``random_model(...)``, transformers' ``from_pretrained(...).to(device)``:
   weights, counted from the model's real configuration (Qwen2.5-0.5B's is read from chapter 6's
@@ -23,6 +24,9 @@ the sum with chapter 1's ``T4_TOTAL_BYTES``. It also lists every engine on the d
 not given a size (``num_gpu_blocks_override``, ``kv_cache_memory_bytes`` or
 ``gpu_memory_utilization``), and every engine construction in a chapter that it never reached.
 
+On the way it counts the model work each chapter asks for (``Work``: forward passes and prompt
+tokens), from which bench/t4_estimate.py estimates a chapter's time on a T4.
+
 ``python tools/t4_ledger.py`` prints the table; ``tests/test_t4_ledger.py`` asserts it.
 """
 from __future__ import annotations
@@ -30,7 +34,6 @@ from __future__ import annotations
 import ast
 import dataclasses
 import importlib
-import itertools
 import json
 import math
 import re
@@ -38,20 +41,22 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cell_walker import (  # noqa: E402  (a tool beside this one, not a package)
+    NOT_HANDLED,
+    UNKNOWN,
+    Break,
+    Continue,
+    Namespace,
+    Native,
+    Return,
+    Unknown,
+    Walker,
+    builtins,
+)
+
 ROOT = Path(__file__).resolve().parent.parent
-MAGIC = re.compile(r"^(\s*)[%!]")
 ENGINE_CALLS = {"LLM", "LLMEngine"}
-LOOP_LIMIT = 64  # iterations of one loop walked; what a loop allocates repeats after that
-
-
-class Unknown:
-    """A value the ledger does not follow; every operation on it gives Unknown again."""
-
-    def __repr__(self) -> str:
-        return "?"
-
-
-UNKNOWN = Unknown()
 
 
 @dataclass(eq=False)
@@ -123,40 +128,6 @@ class Params:
     @property
     def max_tokens(self):
         return self.options.get("max_tokens", 16)
-
-
-class Native:
-    """A function the ledger runs itself: fn(ledger, args, kwargs, node)."""
-
-    def __init__(self, fn, name: str = "") -> None:
-        self.fn, self.name = fn, name
-
-
-class Namespace:
-    """A module or object stand-in whose attributes are given (anything else is Unknown)."""
-
-    def __init__(self, **attributes) -> None:
-        self.attributes = attributes
-
-
-@dataclass
-class Function:
-    node: ast.FunctionDef
-    defaults: list
-    kw_defaults: dict
-
-
-class Return(Exception):
-    def __init__(self, value) -> None:
-        self.value = value
-
-
-class Break(Exception):
-    pass
-
-
-class Continue(Exception):
-    pass
 
 
 @dataclass
@@ -247,22 +218,6 @@ def chapter_cells(notebook: Path) -> list[tuple[str, str | None]]:
     return found
 
 
-def items(iterable) -> list:
-    """The first LOOP_LIMIT items of a value the ledger can iterate, else one Unknown."""
-    if isinstance(iterable, (Unknown, Allocation, Namespace, Native, Function)) or not hasattr(
-            iterable, "__iter__"):
-        return [UNKNOWN]
-    return list(itertools.islice(iterable, LOOP_LIMIT))
-
-
-def length(iterable) -> int:
-    """How many items a loop over iterable runs (1 when the ledger cannot tell)."""
-    try:
-        return max(1, len(iterable)) if not isinstance(iterable, (Unknown, Shaped)) else 1
-    except TypeError:
-        return 1
-
-
 class Generator:
     """numpy's default_rng as the ledger needs it: integers(...) of a known size."""
 
@@ -290,8 +245,8 @@ def importable(module: str, name: str):
     return UNKNOWN
 
 
-class Ledger:
-    """Walks one chapter's cells; see the module's docstring."""
+class Ledger(Walker):
+    """Walks one chapter's cells (tools/cell_walker.py); see the module's docstring."""
 
     def __init__(self, chapter: str, total_bytes: int, context_bytes: int) -> None:
         import minipaged.engine
@@ -301,12 +256,10 @@ class Ledger:
         self.result = ChapterLedger(chapter)
         self.total_bytes, self.context_bytes = total_bytes, context_bytes
         self.qwen = qwen_config()
-        self.frames: list[dict] = [self.globals()]
-        self.temps: list[list] = [[]]
-        self.line = 0
+        super().__init__(self.globals())
+        self.errors = self.result.errors
         self.reached: set[int] = set()  # the engine constructions evaluated
         self.sites: dict[int, str] = {}  # every engine construction outside a lambda
-        self.cell = 0
 
     # ---- the world the chapters see at full size ----
 
@@ -342,13 +295,7 @@ class Ledger:
             "Runtime": Namespace(detect=detect), "runtime": runtime,
             "torch": torch, "math": math, "gc": Namespace(collect=Native(lambda *_: 0)),
         }
-        builtins = {name: Native(lambda led, a, k, n, f=f: f(*a, **k), name) for name, f in {
-            "min": min, "max": max, "int": int, "float": float, "len": len, "range": range,
-            "list": list, "dict": dict, "tuple": tuple, "sum": sum, "sorted": sorted,
-            "round": round, "abs": abs, "enumerate": enumerate, "zip": zip, "str": str,
-            "bool": bool, "set": set, "reversed": reversed, "any": any, "all": all,
-            "isinstance": lambda *a: UNKNOWN, "print": lambda *a, **k: None}.items()}
-        return builtins | native
+        return builtins() | native
 
     # ---- allocations ----
 
@@ -577,15 +524,9 @@ class Ledger:
             return UNKNOWN
         return self.engine(model, given, "LLMEngine", num_blocks=given.get("num_gpu_blocks"))
 
-    # ---- statements ----
-
     def run_cell(self, source: str) -> None:
-        code = "\n".join(MAGIC.sub(r"\1pass  # ", line) if MAGIC.match(line) else line
-                         for line in source.splitlines())
-        try:
-            tree = ast.parse(code)
-        except SyntaxError as error:
-            self.result.errors.append(f"cell {self.cell}: {error}")
+        tree = self.parse(source)
+        if tree is None:
             return
         for node in ast.walk(tree):  # the engine constructions this cell holds
             if isinstance(node, ast.Call) and self.call_name(node) in ENGINE_CALLS \
@@ -623,222 +564,30 @@ class Ledger:
         return any(target in ast.walk(node) for node in ast.walk(tree)
                    if isinstance(node, ast.Lambda))
 
-    def block(self, body: list[ast.stmt]) -> None:
-        for statement in body:
-            self.statement(statement)
+    # ---- the walker's hooks ----
 
-    def statement(self, node: ast.stmt) -> None:
-        self.line = getattr(node, "lineno", self.line)
-        try:
-            self._statement(node)
-        except (Return, Break, Continue):
-            raise
-        except Exception as error:  # a construct the ledger does not follow
-            self.result.errors.append(f"cell {self.cell} line {self.line}: "
-                                      f"{type(error).__name__}: {error}")
-            for target in ast.walk(node):
-                if isinstance(target, ast.Name) and isinstance(target.ctx, ast.Store):
-                    self.frames[-1][target.id] = UNKNOWN
-        finally:
-            if not isinstance(node, (ast.For, ast.While, ast.If, ast.With, ast.Try)):
-                self.temps[-1] = []
+    def import_value(self, node, alias):
+        if alias.name == "numpy":
+            return self.numpy
+        if isinstance(node, ast.ImportFrom):
+            return importable(node.module or "", alias.name)
+        return UNKNOWN
 
-    def _statement(self, node: ast.stmt) -> None:
-        if isinstance(node, ast.Expr):
-            self.eval(node.value)
-        elif isinstance(node, ast.Assign):
-            value = self.eval(node.value)
-            for target in node.targets:
-                self.bind(target, value)
-        elif isinstance(node, ast.AnnAssign) and node.value is not None:
-            self.bind(node.target, self.eval(node.value))
-        elif isinstance(node, ast.AugAssign):
-            old, new = self.eval(node.target), self.eval(node.value)
-            self.bind(node.target, self.binop(node.op, old, new))
-        elif isinstance(node, ast.Delete):
-            for target in node.targets:
-                self.unbind(target)
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            for alias in node.names:
-                name = (alias.asname or alias.name).split(".")[0]
-                if alias.name == "numpy":
-                    self.frames[-1][name] = self.numpy
-                elif isinstance(node, ast.ImportFrom) and name not in self.frames[0]:
-                    self.frames[-1][name] = importable(node.module or "", alias.name)
-                elif name not in self.frames[0]:
-                    self.frames[-1][name] = UNKNOWN
-        elif isinstance(node, ast.FunctionDef):
-            defaults = [self.eval(d) for d in node.args.defaults]
-            kw = {a.arg: self.eval(d) for a, d in zip(node.args.kwonlyargs,
-                                                       node.args.kw_defaults) if d is not None}
-            self.frames[-1][node.name] = Function(node, defaults, kw)
-        elif isinstance(node, ast.ClassDef):
-            self.frames[-1][node.name] = UNKNOWN
-        elif isinstance(node, ast.For):
-            self.loop(node)
-        elif isinstance(node, ast.While):
-            try:
-                self.block(node.body)
-            except Break:
-                pass
-        elif isinstance(node, ast.If):
-            test = self.eval(node.test)
-            self.block(node.orelse if test is not UNKNOWN and not test else node.body)
-        elif isinstance(node, ast.With):
-            for item in node.items:
-                value = self.eval(item.context_expr)
-                if item.optional_vars is not None:
-                    self.bind(item.optional_vars, value)
-            self.block(node.body)
-        elif isinstance(node, ast.Try):
-            self.block(node.body)
-            self.block(node.orelse)
-            self.block(node.finalbody)
-        elif isinstance(node, ast.Return):
-            raise Return(self.eval(node.value) if node.value is not None else None)
-        elif isinstance(node, ast.Break):
-            raise Break
-        elif isinstance(node, ast.Continue):
-            raise Continue
-        # assert, raise, pass, global: nothing to book
+    def loop_work(self) -> Work:
+        return dataclasses.replace(self.result.work)
 
-    def loop(self, node: ast.For) -> None:
-        iterable = self.eval(node.iter)
-        values = items(iterable)
-        before = dataclasses.replace(self.result.work)
-        try:
-            for value in values:
-                self.bind(node.target, value)
-                try:
-                    self.block(node.body)
-                except Continue:
-                    continue
-            else:
-                self.block(node.orelse)
-        except Break:
-            pass
-        self.scale_work(before, length(iterable) / max(1, len(values)))
-
-    def scale_work(self, before: Work, factor: float) -> None:
+    def scale_loop(self, mark: Work, factor: float) -> None:
         """A loop walked only LOOP_LIMIT times: its counted work, scaled to every iteration."""
         if factor <= 1:
             return
         work = self.result.work
         for name in ("steps", "prompt_tokens", "generated_tokens", "unknown_requests"):
-            done = getattr(work, name) - getattr(before, name)
-            setattr(work, name, getattr(before, name) + round(done * factor))
+            done = getattr(work, name) - getattr(mark, name)
+            setattr(work, name, getattr(mark, name) + round(done * factor))
 
-    def bind(self, target: ast.expr, value) -> None:
-        if isinstance(target, ast.Name):
-            self.frames[-1][target.id] = value
-        elif isinstance(target, (ast.Tuple, ast.List)):
-            items = list(value) if isinstance(value, (tuple, list)) and len(value) == len(
-                target.elts) else [UNKNOWN] * len(target.elts)
-            for element, item in zip(target.elts, items):
-                self.bind(element, item)
-        elif isinstance(target, ast.Subscript):
-            container, key = self.eval(target.value), self.eval(target.slice)
-            if isinstance(container, dict) and key is not UNKNOWN:
-                container[key] = value
-            elif isinstance(container, list) and isinstance(key, int):
-                container[key] = value
-        # attributes: the object keeps its own references; nothing to book
-
-    def unbind(self, target: ast.expr) -> None:
-        if isinstance(target, ast.Name):
-            for frame in reversed(self.frames):
-                if target.id in frame:
-                    del frame[target.id]
-                    return
-        elif isinstance(target, (ast.Tuple, ast.List)):
-            for element in target.elts:
-                self.unbind(element)
-        elif isinstance(target, ast.Subscript):
-            container, key = self.eval(target.value), self.eval(target.slice)
-            if isinstance(container, dict):
-                container.pop(key, None)
-
-    # ---- expressions ----
-
-    def lookup(self, name: str):
-        for frame in (self.frames[-1], self.frames[0]):
-            if name in frame:
-                return frame[name]
-        return UNKNOWN
-
-    def eval(self, node: ast.expr):
-        method = getattr(self, f"eval_{type(node).__name__}", None)
-        return UNKNOWN if method is None else method(node)
-
-    def eval_Constant(self, node):
-        return node.value
-
-    def eval_Name(self, node):
-        return self.lookup(node.id)
-
-    def eval_Tuple(self, node):
-        return tuple(self.eval(e) for e in node.elts)
-
-    def eval_List(self, node):
-        return [self.eval(e) for e in node.elts]
-
-    def eval_Set(self, node):
-        values = [self.eval(e) for e in node.elts]
-        try:
-            return set(values)
-        except TypeError:
-            return UNKNOWN
-
-    def eval_Dict(self, node):
-        result = {}
-        for key, value in zip(node.keys, node.values):
-            if key is None:
-                merged = self.eval(value)
-                if isinstance(merged, dict):
-                    result.update(merged)
-            else:
-                key = self.eval(key)
-                try:
-                    result[key] = self.eval(value)
-                except TypeError:
-                    pass
-        return result
-
-    def eval_JoinedStr(self, node):
-        return UNKNOWN
-
-    def eval_Lambda(self, node):
-        return UNKNOWN
-
-    def eval_IfExp(self, node):
-        test = self.eval(node.test)
-        if test is UNKNOWN:
-            return self.eval(node.body)
-        return self.eval(node.body if test else node.orelse)
-
-    def eval_Attribute(self, node):
-        value = self.eval(node.value)
-        name = node.attr
-        if isinstance(value, Namespace):
-            return value.attributes.get(name, UNKNOWN)
+    def attribute(self, value, name: str):
         if isinstance(value, Allocation):
-            if name in ("llm_engine", "kv_cache", "scheduler"):
-                return value  # these keep the engine's cache alive
-            if name == "model" and value.model is not None:
-                return value.model
-            if name == "config" and value.config is not None:
-                return value.config
-            if name in ("to", "eval", "half", "cuda"):
-                return Native(lambda led, a, k, n, v=value, m=name: self.model_to(v, m, a, k))
-            if value.on_device and value.model is not None and name in ("generate", "stream"):
-                return Native(lambda led, a, k, n, v=value: self.generate(v, a, k))
-            if value.on_device and value.model is not None and name == "step":
-                return Native(lambda led, a, k, n, v=value: self.forward(v.model, 1))
-            if value.on_device and value.config is not None and name == "generate":
-                return Native(lambda led, a, k, n, v=value: self.forward(
-                    v, k.get("max_new_tokens", 20) if isinstance(k.get("max_new_tokens", 20),
-                                                                int) else 1))
-            return UNKNOWN
+            return self.allocation_attribute(value, name)
         if isinstance(value, (Device, DType)):
             return getattr(value, name, UNKNOWN)
         if isinstance(value, Generator) and name == "integers":
@@ -852,12 +601,46 @@ class Ledger:
             if callable(attribute):
                 return Native(lambda led, a, k, n, f=attribute: f(*a, **k))
             return attribute
-        if isinstance(value, (dict, list, str, tuple, range, set)) and not name.startswith("_"):
-            attribute = getattr(value, name, UNKNOWN)
-            if callable(attribute):
-                return Native(lambda led, a, k, n, f=attribute: f(*a, **k))
-            return attribute
+        return NOT_HANDLED
+
+    def allocation_attribute(self, value: Allocation, name: str):
+        """What the chapters reach through an engine or a model."""
+        if name in ("llm_engine", "kv_cache", "scheduler"):
+            return value  # these keep the engine's cache alive
+        if name == "model" and value.model is not None:
+            return value.model
+        if name == "config" and value.config is not None:
+            return value.config
+        if name in ("to", "eval", "half", "cuda"):
+            return Native(lambda led, a, k, n, v=value, m=name: self.model_to(v, m, a, k))
+        if value.on_device and value.model is not None and name in ("generate", "stream"):
+            return Native(lambda led, a, k, n, v=value: self.generate(v, a, k))
+        if value.on_device and value.model is not None and name == "step":
+            return Native(lambda led, a, k, n, v=value: self.forward(v.model, 1))
+        if value.on_device and value.config is not None and name == "generate":
+            new_tokens = lambda k: k.get("max_new_tokens", 20)  # noqa: E731
+            return Native(lambda led, a, k, n, v=value: self.forward(
+                v, new_tokens(k) if isinstance(new_tokens(k), int) else 1))
         return UNKNOWN
+
+    def special_call(self, node: ast.Call, func, args: list, kwargs: dict):
+        if isinstance(node.func, ast.Attribute) and node.func.attr == "from_pretrained" and \
+                "ForCausalLM" in ast.unparse(node.func.value):  # transformers' own model
+            weights = self.from_pretrained(self, args, kwargs, node)
+            return (weights, UNKNOWN) if kwargs.get("output_loading_info") else weights
+        if isinstance(func, Native) and self.call_name(node) in ENGINE_CALLS:
+            self.reached.add(id(node))
+            try:
+                return func.fn(self, args, kwargs, node)
+            except (Return, Break, Continue):
+                raise
+            except Exception as error:  # an engine the ledger lost
+                self.result.refused.append(f"line {self.line}: the ledger could not follow "
+                                           f"this engine: {error!r}")
+                return UNKNOWN
+        if isinstance(func, Allocation) and func.on_device and func.config is not None:
+            return self.forward(func, 1)  # model(input_ids, metadata, kv_cache)
+        return NOT_HANDLED
 
     def model_to(self, model: Allocation, method: str, args, kwargs):
         """model.to(device, dtype), .half(), .cuda(), .eval() on weights."""
@@ -879,184 +662,6 @@ class Ledger:
             return model
         return self.weights(model.config, DType("", size), Device("cuda" if on_device else "cpu"),
                             f"{model.what}.to()")
-
-    def eval_Subscript(self, node):
-        value, key = self.eval(node.value), self.eval(node.slice)
-        if isinstance(value, (dict, list, tuple, str, range)) and key is not UNKNOWN:
-            try:
-                return value[key]
-            except (KeyError, IndexError, TypeError):
-                return UNKNOWN
-        return UNKNOWN
-
-    def eval_Slice(self, node):
-        parts = [None if p is None else self.eval(p) for p in (node.lower, node.upper, node.step)]
-        return UNKNOWN if UNKNOWN in parts else slice(*parts)
-
-    def binop(self, op, left, right):
-        if left is UNKNOWN or right is UNKNOWN or isinstance(left, Allocation) or isinstance(
-                right, Allocation):
-            return UNKNOWN
-        operators = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b,
-                     ast.Mult: lambda a, b: a * b, ast.Div: lambda a, b: a / b,
-                     ast.FloorDiv: lambda a, b: a // b, ast.Mod: lambda a, b: a % b,
-                     ast.Pow: lambda a, b: a ** b, ast.BitOr: lambda a, b: a | b}
-        try:
-            return operators[type(op)](left, right)
-        except Exception:
-            return UNKNOWN
-
-    def eval_BinOp(self, node):
-        return self.binop(node.op, self.eval(node.left), self.eval(node.right))
-
-    def eval_UnaryOp(self, node):
-        value = self.eval(node.operand)
-        if value is UNKNOWN:
-            return UNKNOWN
-        try:
-            return {ast.USub: lambda v: -v, ast.UAdd: lambda v: +v, ast.Not: lambda v: not v,
-                    ast.Invert: lambda v: ~v}[type(node.op)](value)
-        except Exception:
-            return UNKNOWN
-
-    def eval_BoolOp(self, node):
-        values = [self.eval(v) for v in node.values]
-        if UNKNOWN in values:
-            return UNKNOWN
-        return all(values) if isinstance(node.op, ast.And) else any(values)
-
-    def eval_Compare(self, node):
-        left = self.eval(node.left)
-        operators = {ast.Eq: lambda a, b: a == b, ast.NotEq: lambda a, b: a != b,
-                     ast.Lt: lambda a, b: a < b, ast.LtE: lambda a, b: a <= b,
-                     ast.Gt: lambda a, b: a > b, ast.GtE: lambda a, b: a >= b,
-                     ast.Is: lambda a, b: a is b, ast.IsNot: lambda a, b: a is not b,
-                     ast.In: lambda a, b: a in b, ast.NotIn: lambda a, b: a not in b}
-        for op, comparator in zip(node.ops, node.comparators):
-            right = self.eval(comparator)
-            if left is UNKNOWN or right is UNKNOWN:
-                return UNKNOWN
-            try:
-                if not operators[type(op)](left, right):
-                    return False
-            except Exception:
-                return UNKNOWN
-            left = right
-        return True
-
-    def comprehension(self, node, element):
-        """Evaluate a comprehension, element(…) once per item; each result is kept alive."""
-        results, frame = [], dict(self.frames[-1])
-        self.frames.append(frame)
-
-        def walk(generators):
-            if not generators:
-                value = element()
-                self.temps[-1].append(value)
-                results.append(value)
-                return
-            first = generators[0]
-            iterable = self.eval(first.iter)
-            values, before = items(iterable), dataclasses.replace(self.result.work)
-            for item in values:
-                self.bind(first.target, item)
-                if all(self.eval(test) is not False for test in first.ifs):
-                    walk(generators[1:])
-            self.scale_work(before, length(iterable) / max(1, len(values)))
-
-        try:
-            walk(node.generators)
-        finally:
-            self.frames.pop()
-        return results
-
-    def eval_ListComp(self, node):
-        return self.comprehension(node, lambda: self.eval(node.elt))
-
-    eval_GeneratorExp = eval_ListComp
-
-    def eval_SetComp(self, node):
-        return UNKNOWN if self.comprehension(node, lambda: self.eval(node.elt)) else set()
-
-    def eval_DictComp(self, node):
-        pairs = self.comprehension(node, lambda: (self.eval(node.key), self.eval(node.value)))
-        try:
-            return dict(pairs)
-        except TypeError:
-            return UNKNOWN
-
-    def eval_Call(self, node):
-        func = self.eval(node.func)
-        args = []
-        for arg in node.args:
-            if isinstance(arg, ast.Starred):
-                value = self.eval(arg.value)
-                args.extend(value if isinstance(value, (list, tuple)) else [UNKNOWN])
-            else:
-                args.append(self.eval(arg))
-        kwargs = {}
-        for keyword in node.keywords:
-            value = self.eval(keyword.value)
-            if keyword.arg is not None:
-                kwargs[keyword.arg] = value
-            elif isinstance(value, dict):
-                kwargs.update(value)
-        self.temps[-1].extend(a for a in args if isinstance(a, Allocation))
-        if isinstance(node.func, ast.Attribute) and node.func.attr == "from_pretrained" and \
-                "ForCausalLM" in ast.unparse(node.func.value):  # transformers' own model
-            weights = self.from_pretrained(self, args, kwargs, node)
-            return (weights, UNKNOWN) if kwargs.get("output_loading_info") else weights
-        if isinstance(func, Native):
-            if self.call_name(node) in ENGINE_CALLS:
-                self.reached.add(id(node))
-            try:
-                return func.fn(self, args, kwargs, node)
-            except (Return, Break, Continue):
-                raise
-            except Exception as error:
-                if self.call_name(node) in ENGINE_CALLS:  # an engine the ledger lost
-                    self.result.refused.append(f"line {self.line}: the ledger could not "
-                                               f"follow this engine: {error!r}")
-                return UNKNOWN
-        if isinstance(func, Function):
-            return self.call(func, args, kwargs)
-        if isinstance(func, Allocation) and func.on_device and func.config is not None:
-            return self.forward(func, 1)  # model(input_ids, metadata, kv_cache)
-        return UNKNOWN
-
-    def call(self, function: Function, args, kwargs):
-        """Run a chapter's own function with its arguments bound, in a frame of its own."""
-        if len(self.frames) > 20:
-            return UNKNOWN
-        spec, frame = function.node.args, {}
-        names = [a.arg for a in spec.posonlyargs + spec.args]
-        defaults = dict(zip(names[len(names) - len(function.defaults):], function.defaults))
-        for name, value in zip(names, args):
-            frame[name] = value
-        if spec.vararg is not None:
-            frame[spec.vararg.arg] = tuple(args[len(names):])
-        extra = {}
-        for name, value in kwargs.items():
-            (frame.__setitem__(name, value) if name in names or name in [
-                a.arg for a in spec.kwonlyargs] else extra.__setitem__(name, value))
-        for name in names:
-            frame.setdefault(name, defaults.get(name, UNKNOWN))
-        for argument in spec.kwonlyargs:
-            frame.setdefault(argument.arg, function.kw_defaults.get(argument.arg, UNKNOWN))
-        if spec.kwarg is not None:
-            frame[spec.kwarg.arg] = extra
-        self.frames.append(frame)
-        self.temps.append([])
-        try:
-            self.block(function.node.body)
-            value = None
-        except Return as returned:
-            value = returned.value
-        finally:
-            self.frames.pop()
-            self.temps.pop()
-        self.temps[-1].append(value)
-        return value
 
     def run(self, notebook: Path) -> ChapterLedger:
         for self.cell, (source, module) in enumerate(chapter_cells(notebook)):
