@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import weakref
 from dataclasses import replace
 
 import pytest
@@ -429,6 +430,46 @@ def test_load_model_casts_a_bfloat16_checkpoint_with_no_lm_head(tmp_path, config
     assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
     for (name, a), b in zip(stored.state_dict().items(), loaded.state_dict().values()):
         assert b.dtype == torch.float16 and torch.equal(a.to(torch.float16), b), name
+
+
+def test_load_model_streams_the_checkpoint_one_tensor_at_a_time_on_the_host(tmp_path,
+                                                                            monkeypatch):
+    """No second copy of the model: the checkpoint's tensors are read on the host, each dropped
+    before the next but one is read, and copied into weights allocated once in the target dtype."""
+    stored = random_model(ModelConfig.small(num_layers=3), seed=5, dtype=torch.bfloat16)
+    save_pretrained(stored, tmp_path)
+    alive, most, devices = set(), [0], set()
+    real_load_weights = Qwen2ForCausalLM.load_weights
+
+    def watched(self, weights):
+        def each():
+            for name, tensor in weights:
+                devices.add(tensor.device.type)
+                alive.add(name)
+                weakref.finalize(tensor, alive.discard, name)
+                most[0] = max(most[0], len(alive))
+                yield name, tensor
+        real_load_weights(self, each())
+
+    monkeypatch.setattr(Qwen2ForCausalLM, "load_weights", watched)
+    loaded = load_model(tmp_path, dtype=torch.float16)
+    assert devices == {"cpu"} and most[0] <= 2
+    assert len(stored.hf_state_dict()) > 2 * most[0]  # a checkpoint of many tensors
+    assert all(p.dtype == torch.float16 for p in loaded.parameters())
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight  # the head is not a copy
+
+
+def test_load_model_refuses_a_gpu_without_room_for_the_weights(monkeypatch):
+    from minipaged.huggingface import check_room_for_weights
+
+    with torch.device("meta"):
+        qwen = Qwen2ForCausalLM(ModelConfig.from_hf_config(QWEN_CONFIG)).to(torch.float16)
+    need = 494_032_768 * 2  # the real model's parameters in fp16, its tied head counted once
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (need - 1, 15 * 2**30))
+    with pytest.raises(ValueError, match=f"the weights need {need:,} bytes on cuda"):
+        check_room_for_weights(qwen, torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (need, 15 * 2**30))
+    check_room_for_weights(qwen, torch.device("cuda"))
 
 
 def test_load_model_refuses_a_directory_without_a_checkpoint(tmp_path):
