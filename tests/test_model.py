@@ -656,3 +656,17 @@ def test_layers_trust_the_step_checked_once(monkeypatch):
     ours, theirs = run_schedule(triton_model, prompts, tables, num_blocks, chunks)
     torch.testing.assert_close(ours, reference, atol=TOLERANCE, rtol=0)
     torch.testing.assert_close(theirs, other, atol=TOLERANCE, rtol=0)
+
+
+def test_first_divergence_finds_the_first_differing_token_or_a_length_mismatch():
+    from minipaged.model import first_divergence
+    assert first_divergence([[1, 2], [3, 4, 5]], [[1, 2], [3, 4, 5]]) is None
+    assert first_divergence([[1, 2], [3, 9, 5]], [[1, 2], [3, 4, 6]]) == (1, 1)
+    assert first_divergence([[1, 2, 3]], [[1, 2]]) == (0, 2)
+
+
+def test_top2_margin_is_the_gap_between_transformers_two_best_logits(model, peer, config):
+    from minipaged.model import top2_margin
+    prompt = make_prompts([37], config.vocab_size, seed=3)[0]
+    best = reference_logits(peer, prompt)[-1].topk(2).values
+    assert top2_margin(model, prompt) == pytest.approx(float(best[0] - best[1]), abs=1e-4)
