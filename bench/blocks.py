@@ -24,7 +24,8 @@ The operation streams (drawn once per pool size from a fixed seed, replayed by e
   release. Peer: can_allocate + allocate, deallocate. KVCacheManager: allocate_slots (which
   checks the free count itself and returns False when short), free. BlockTable: a new table,
   ensure_capacity, free.
-- decode step: room for one more token in a last block that has room (nothing to allocate).
+- decode step: room for one more token in a last block that has room (nothing to allocate),
+  cycling over a quarter as many sequences as the pool has blocks, at most 10,000.
   Peer: can_append + may_append. minipaged: allocate_slots(request, 1), or ensure_capacity.
 - decode growth: room for one more token that starts a new block (one block appended). The
   same calls; between passes, outside the timing, every sequence is moved to its next
@@ -42,8 +43,9 @@ Each repeat runs every side once, in alternating order, on a freshly built state
 not timed; the garbage collector is off while timing). The clock is the process's CPU time
 (time.process_time), because the machine the book is built on shares two cores among several
 processes and wall time would count their turns too. Reported: min and median over repeats of
-nanoseconds per operation. Written to bench/results/blocks.csv and printed; never asserted.
-Run it with `python bench/blocks.py` (`--quick` stops at 100k blocks).
+nanoseconds per operation, over 7 repeats (3 at 1M blocks, where the peer's hits take
+milliseconds each). Written to bench/results/blocks.csv and printed; never asserted.
+Run it with `python bench/blocks.py` (`--quick` stops at 100k blocks and writes no CSV).
 """
 from __future__ import annotations
 
