@@ -396,3 +396,190 @@ class PoolMachine(RuleBasedStateMachine):
 PoolMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40,
                                          deadline=None)
 TestPoolMachine = PoolMachine.TestCase
+
+
+# ---------------------------------------------------------------------------------------------
+# The fast paths: popleft_n and append_n on the queue, and the pool and tables built on them.
+
+
+def test_popleft_n_takes_the_head_in_order_and_leaves_the_rest_linked():
+    blocks = [KVCacheBlock(i) for i in range(6)]
+    queue = FreeKVCacheBlockQueue(blocks)
+    for n, expected in [(1, [0]), (3, [1, 2, 3]), (0, [])]:
+        assert queue.popleft_n(n) == [blocks[i] for i in expected]
+    assert [b.block_id for b in queue] == [4, 5] and len(queue) == 2
+    assert all(b.prev_free_block is b.next_free_block is b.free_queue is None
+               for b in blocks[:4])
+    assert queue.fake_free_list_head.next_free_block is blocks[4]
+    assert blocks[4].prev_free_block is queue.fake_free_list_head
+
+
+def test_popleft_n_refuses_more_than_are_free_and_changes_nothing():
+    blocks = [KVCacheBlock(i) for i in range(3)]
+    queue = FreeKVCacheBlockQueue(blocks)
+    with pytest.raises(NoFreeBlocksError, match="asked for 4 blocks but only 3"):
+        queue.popleft_n(4)
+    assert [b.block_id for b in queue] == [0, 1, 2] and len(queue) == 3
+    assert queue.popleft_n(3) == blocks and len(queue) == 0
+    assert queue.fake_free_list_head.next_free_block is queue.fake_free_list_tail
+
+
+def test_append_n_puts_blocks_at_the_tail_in_the_order_given():
+    blocks = [KVCacheBlock(i) for i in range(5)]
+    queue = FreeKVCacheBlockQueue(blocks[:2])
+    queue.append_n([blocks[4], blocks[2], blocks[3]])
+    queue.append_n([])
+    assert [b.block_id for b in queue] == [0, 1, 4, 2, 3] and len(queue) == 5
+    assert all(b.free_queue is queue for b in blocks)
+    backward, block = [], queue.fake_free_list_tail.prev_free_block
+    while block is not queue.fake_free_list_head:
+        backward.append(block.block_id)
+        block = block.prev_free_block
+    assert backward == [3, 2, 4, 1, 0]
+
+
+def test_numpy_counts_are_taken_as_plain_ones():
+    np = pytest.importorskip("numpy")
+    pool = BlockPool(num_blocks=4, block_size=4)
+    assert [b.block_id for b in pool.allocate(np.int64(2))] == [0, 1]
+    table = BlockTable(pool)
+    assert table.ensure_capacity(np.int32(5)) == 2 and table.block_ids == [2, 3]
+
+
+@pytest.mark.parametrize("num_tokens", [1.0, True, "8", None, -3])
+def test_ensure_capacity_refuses_a_count_and_changes_nothing(num_tokens):
+    pool = BlockPool(num_blocks=4, block_size=4)
+    table = BlockTable(pool)
+    table.ensure_capacity(4)
+    with pytest.raises(ValueError, match="num_tokens"):
+        table.ensure_capacity(num_tokens)
+    assert table.block_ids == [0] and queue_ids(pool) == [1, 2, 3]
+    assert pool.num_allocator_calls == 1
+
+
+class ReferencePoolMachine(RuleBasedStateMachine):
+    """The pool against a reference of plain lists (a deque of free ids, as nano-vllm keeps
+    them): every operation, through a table's unchecked paths or the pool's checked ones, must
+    leave the same free order and the same counts."""
+
+    def __init__(self):
+        super().__init__()
+        self.pool = BlockPool(num_blocks=12, block_size=4)
+        self.free_ids = list(range(12))  # the reference free queue, head first
+        self.counts = [0] * 12
+        self.tables: list[BlockTable] = []
+        self.loose: list[list] = []  # blocks held through pool.allocate, not by a table
+
+    def _take(self, n):
+        taken, self.free_ids = self.free_ids[:n], self.free_ids[n:]
+        for block_id in taken:
+            self.counts[block_id] = 1
+        return taken
+
+    def _give_back(self, block_ids):
+        for block_id in block_ids:
+            self.counts[block_id] -= 1
+            if self.counts[block_id] == 0:
+                self.free_ids.append(block_id)
+
+    @rule(num_tokens=st.integers(0, 24))
+    def new_table(self, num_tokens):
+        table, needed = BlockTable(self.pool), -(-num_tokens // 4)
+        if needed > len(self.free_ids):
+            with pytest.raises(NoFreeBlocksError):
+                table.ensure_capacity(num_tokens)
+            assert table.blocks == []
+            return
+        assert table.ensure_capacity(num_tokens) == needed
+        assert table.block_ids == self._take(needed)
+        self.tables.append(table)
+
+    @rule(data=st.data(), extra=st.integers(1, 9))
+    def grow(self, data, extra):
+        if not self.tables:
+            return
+        table = data.draw(st.sampled_from(self.tables))
+        num_tokens = table.capacity + extra
+        needed = -(-num_tokens // 4) - len(table.blocks)
+        if needed > len(self.free_ids) or len(table.blocks) + needed > 12:
+            with pytest.raises((NoFreeBlocksError, ValueError)):
+                table.ensure_capacity(num_tokens)
+            return
+        before = table.block_ids
+        table.ensure_capacity(num_tokens)
+        assert table.block_ids == before + self._take(needed)
+
+    @rule(data=st.data())
+    def hit_on_a_free_block(self, data):
+        # a prefix-cache hit: a block taken out of the middle of the free queue by a table
+        if not self.free_ids:
+            return
+        block_id = data.draw(st.sampled_from(self.free_ids))
+        table = BlockTable(self.pool)
+        table.share([self.pool.blocks[block_id]])
+        self.free_ids.remove(block_id)
+        self.counts[block_id] += 1
+        self.tables.append(table)
+
+    @rule(data=st.data())
+    def share_held_blocks(self, data):
+        if not self.tables:
+            return
+        parent = data.draw(st.sampled_from(self.tables))
+        child = BlockTable(self.pool)
+        child.share(parent.blocks)
+        for block_id in parent.block_ids:
+            self.counts[block_id] += 1
+        self.tables.append(child)
+
+    @rule(data=st.data())
+    def finish_table(self, data):
+        if not self.tables:
+            return
+        table = data.draw(st.sampled_from(self.tables))
+        self.tables.remove(table)
+        block_ids = table.block_ids
+        table.free()  # the unchecked path: last block first
+        self._give_back(block_ids[::-1])
+
+    @rule(n=st.integers(0, 5))
+    def allocate_loose(self, n):
+        if n > len(self.free_ids):
+            with pytest.raises(NoFreeBlocksError):
+                self.pool.allocate(n)
+            return
+        blocks = self.pool.allocate(n)
+        assert [b.block_id for b in blocks] == self._take(n)
+        self.loose.append(blocks)
+
+    @rule(data=st.data())
+    def free_loose(self, data):
+        # the checked path, in an order of the caller's choosing
+        if not self.loose:
+            return
+        blocks = data.draw(st.sampled_from(self.loose))
+        self.loose.remove(blocks)
+        order = data.draw(st.permutations(blocks))
+        self.pool.free(order)
+        self._give_back([b.block_id for b in order])
+
+    @invariant()
+    def same_free_order_and_counts(self):
+        assert queue_ids(self.pool) == self.free_ids
+        assert self.pool.get_num_free_blocks() == len(self.free_ids)
+        assert [b.ref_cnt for b in self.pool.blocks] == self.counts
+
+    @invariant()
+    def links_agree_both_ways(self):
+        queue = self.pool.free_block_queue
+        backward, block = [], queue.fake_free_list_tail.prev_free_block
+        while block is not queue.fake_free_list_head:
+            backward.append(block.block_id)
+            block = block.prev_free_block
+        assert backward[::-1] == self.free_ids
+        assert all((b.free_queue is queue) == (b.ref_cnt == 0) for b in self.pool.blocks)
+
+
+ReferencePoolMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40,
+                                                  deadline=None)
+TestReferencePoolMachine = ReferencePoolMachine.TestCase

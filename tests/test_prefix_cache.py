@@ -398,3 +398,29 @@ def test_blocks_cached_for_a_step_that_never_ran_are_forgotten_on_free():
     done.num_computed_tokens = 12  # the step ran
     manager.free(done)
     assert len(pool.cached_block_hash_to_block) == 3  # what it computed stays findable
+
+
+def test_decoding_caches_each_block_at_the_step_it_fills_and_hashes_nothing_between(monkeypatch):
+    import minipaged.prefix_cache as prefix_cache
+
+    calls = []
+    real = prefix_cache.update_block_hashes
+    monkeypatch.setattr(prefix_cache, "update_block_hashes",
+                        lambda request, size: calls.append(request.num_tokens) or real(request,
+                                                                                       size))
+    pool = PrefixCachingBlockPool(num_blocks=16, block_size=4)
+    manager = PrefixCachingKVCacheManager(pool)
+    request = Request("a", [1, 2, 3], SamplingParams())
+    assert manager.allocate_slots(request, 3)
+    request.num_computed_tokens = 3
+    for token in range(10, 24):  # one token a step, as a decode does
+        request.append_output_token(token)
+        calls.clear()
+        assert manager.allocate_slots(request, 1)
+        request.num_computed_tokens += 1
+        filled = request.num_computed_tokens % 4 == 0
+        assert len(calls) == (1 if filled else 0)
+        assert manager.num_cached_block["a"] == request.num_computed_tokens // 4
+        assert len(pool.cached_block_hash_to_block) == request.num_computed_tokens // 4
+    table = manager.get_block_table(request)
+    assert [b.block_hash for b in table.blocks[:4]] == request.block_hashes[:4]

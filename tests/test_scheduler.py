@@ -1,7 +1,8 @@
 """The scheduler alone, driven by a stand-in model: budget, admission, growth, preemption."""
 import pytest
 
-from minipaged.blocks import BlockPool
+import minipaged.scheduler as scheduler_module
+from minipaged.blocks import BlockPool, BlockTable
 from minipaged.sampling import SamplingParams
 from minipaged.scheduler import KVCacheManager, Request, RequestStatus, Scheduler, needs_sample
 
@@ -150,3 +151,96 @@ def test_abort_returns_the_blocks():
 def test_can_admit_counts_whole_blocks(num_tokens, free, ok):
     manager = KVCacheManager(BlockPool(free, 16))
     assert manager.can_admit(request("a", num_tokens)) is ok
+
+
+# --- the KV cache manager's fast path: same answers, no waste, refusals at the boundary -----
+
+
+class CountedTable(BlockTable):
+    """A BlockTable that counts how many were built."""
+
+    built = 0
+
+    def __init__(self, pool):
+        super().__init__(pool)
+        CountedTable.built += 1
+
+
+def test_allocate_slots_builds_a_table_only_when_it_is_missing(monkeypatch):
+    monkeypatch.setattr(scheduler_module, "BlockTable", CountedTable)
+    monkeypatch.setattr(CountedTable, "built", 0)
+    manager = KVCacheManager(BlockPool(num_blocks=8, block_size=4))
+    r = request("a", 3)
+    assert manager.allocate_slots(r, 3) and CountedTable.built == 1
+    table = manager.get_block_table(r)
+    r.num_computed_tokens = 3
+    for _ in range(6):  # decode steps: one needing nothing, then one crossing into block 2...
+        assert manager.allocate_slots(r, 1)
+        r.num_computed_tokens += 1
+    assert CountedTable.built == 1 and manager.get_block_table(r) is table
+    assert table.block_ids == [0, 1, 2] and manager.pool.num_allocator_calls == 3
+    assert manager.allocate_slots(r, 0) and CountedTable.built == 1  # nothing new, nothing built
+
+
+@pytest.mark.parametrize("num_new_tokens", [-1, 1.5, True, "3", None])
+@pytest.mark.parametrize("running", [False, True])
+def test_allocate_slots_refuses_a_count_that_is_not_one_before_changing_anything(
+        num_new_tokens, running):
+    manager = KVCacheManager(BlockPool(num_blocks=4, block_size=4))
+    r = request("a", 6)
+    if running:
+        assert manager.allocate_slots(r, 4)
+        r.num_computed_tokens = 4
+    before = (dict(manager.block_tables), manager.pool.get_num_free_blocks(),
+              manager.pool.num_allocator_calls)
+    with pytest.raises(ValueError, match="num_new_tokens"):
+        manager.allocate_slots(r, num_new_tokens)
+    assert (dict(manager.block_tables), manager.pool.get_num_free_blocks(),
+            manager.pool.num_allocator_calls) == before
+
+
+def test_allocate_slots_takes_numpy_counts_as_plain_ones():
+    np = pytest.importorskip("numpy")
+    manager = KVCacheManager(BlockPool(num_blocks=4, block_size=4))
+    r = request("a", 6)
+    assert manager.allocate_slots(r, np.int64(6))
+    assert manager.get_block_table(r).block_ids == [0, 1]
+
+
+@pytest.mark.parametrize("running", [False, True])
+def test_a_short_pool_refuses_whole_on_both_paths(running):
+    manager = KVCacheManager(BlockPool(num_blocks=3, block_size=4))
+    other = request("other", 4)
+    assert manager.allocate_slots(other, 4)  # one block held by someone else
+    r = request("a", 9)
+    if running:
+        assert manager.allocate_slots(r, 4)
+        r.num_computed_tokens = 4
+    held = manager.block_tables.get("a") and manager.get_block_table(r).block_ids
+    assert not manager.allocate_slots(r, 9)  # would need 3 or 4 blocks in all
+    assert (manager.block_tables.get("a") and manager.get_block_table(r).block_ids) == held
+    assert ("a" in manager.block_tables) is running
+    assert manager.pool.get_num_free_blocks() == (1 if running else 2)
+
+
+def test_the_hot_path_agrees_with_the_counting_path():
+    # every step's growth equals what get_num_blocks_to_allocate predicts for it
+    manager = KVCacheManager(BlockPool(num_blocks=64, block_size=8))
+    requests = [request(f"r{i}", 1) for i in range(5)]
+    for step in range(1, 60):
+        for i, r in enumerate(requests):
+            num_new = 1 + (step * (i + 3)) % 11
+            predicted = manager.get_num_blocks_to_allocate(r, r.num_computed_tokens + num_new)
+            free = manager.pool.get_num_free_blocks()
+            assert manager.allocate_slots(r, num_new) is (predicted <= free)
+            if predicted <= free:
+                assert manager.pool.get_num_free_blocks() == free - predicted
+                assert len(manager.get_block_table(r).blocks) == -(
+                    -(r.num_computed_tokens + num_new) // 8)
+                r.num_computed_tokens += num_new
+            else:
+                manager.free(r)
+                r.num_computed_tokens = 0
+    for r in requests:
+        manager.free(r)
+    assert manager.pool.get_num_free_blocks() == 64
