@@ -396,6 +396,7 @@ class PoolMachine(RuleBasedStateMachine):
 PoolMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40,
                                          deadline=None)
 TestPoolMachine = PoolMachine.TestCase
+TestPoolMachine.pytestmark = [pytest.mark.heavy]  # a stateful search: over a second
 
 
 # ---------------------------------------------------------------------------------------------
@@ -583,3 +584,4 @@ class ReferencePoolMachine(RuleBasedStateMachine):
 ReferencePoolMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40,
                                                   deadline=None)
 TestReferencePoolMachine = ReferencePoolMachine.TestCase
+TestReferencePoolMachine.pytestmark = [pytest.mark.heavy]  # a stateful search: over a second

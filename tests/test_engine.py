@@ -486,6 +486,7 @@ def test_two_streams_read_in_turns_each_get_all_their_tokens(model):
 @settings(max_examples=25, deadline=None)
 @given(order=st.lists(st.integers(0, 2), min_size=1, max_size=60),
        lengths=st.lists(st.integers(1, 6), min_size=3, max_size=3))
+@pytest.mark.heavy  # over a second: make test runs it, make check does not
 def test_streams_read_in_any_order_beside_generate_each_get_their_own_tokens(
         model, order, lengths):
     llm = LLM(model=model, max_model_len=64, num_gpu_blocks_override=6)  # preempts too

@@ -284,6 +284,7 @@ def test_prefill_logits_at_every_position(model, peer, config):
         torch.testing.assert_close(logits, reference_logits(peer, prompt), atol=TOLERANCE, rtol=0)
 
 
+@pytest.mark.heavy  # over a second: make test runs it, make check does not
 def test_token_by_token_through_scattered_blocks(model, peer, config):
     prompts = make_prompts(LENGTHS, config.vocab_size, seed=1)
     tables, num_blocks = scattered_tables(LENGTHS, seed=1)
@@ -301,6 +302,7 @@ def test_chunked_prefill(model, peer, config):
         torch.testing.assert_close(logits, reference_logits(peer, prompt), atol=TOLERANCE, rtol=0)
 
 
+@pytest.mark.heavy  # over a second: make test runs it, make check does not
 @settings(max_examples=8, deadline=None)
 @given(st.lists(st.integers(1, 9), min_size=1, max_size=6), st.integers(0, 1000))
 def test_any_chunking_gives_the_prefill_logits(model, peer, config, chunks, seed):
@@ -345,6 +347,7 @@ def greedy(model, prompt, max_new_tokens):
     return tokens[len(prompt):]
 
 
+@pytest.mark.heavy  # over a second: make test runs it, make check does not
 def test_greedy_continuations_vary_and_match_generate(model, peer, config):
     for prompt in make_prompts([5, 12], config.vocab_size, seed=6):
         ours = greedy(model, prompt, 20)
@@ -355,6 +358,7 @@ def test_greedy_continuations_vary_and_match_generate(model, peer, config):
         assert len(set(ours)) > 3  # the initialisation scale keeps greedy output from one token
 
 
+@pytest.mark.heavy  # over a second: make test runs it, make check does not
 def test_at_the_usual_scale_greedy_decoding_repeats_one_token():
     """The chapter's claim: at 0.02 the model falls into a fixed point, at 0.1 it does not.
 

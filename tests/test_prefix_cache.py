@@ -321,6 +321,7 @@ PrefixCacheMachine.TestCase.settings = settings(
     max_examples=60, stateful_step_count=40, deadline=None,
     suppress_health_check=[HealthCheck.too_slow])
 TestPrefixCacheMachine = PrefixCacheMachine.TestCase
+TestPrefixCacheMachine.pytestmark = [pytest.mark.heavy]  # a stateful search: over a second
 
 
 def test_different_salts_never_share_a_block():
@@ -368,6 +369,7 @@ def test_greedy_answers_are_identical_with_the_cache_on_and_off(model, blocks):
     assert stats[True]["num_computed_tokens"] < stats[False]["num_computed_tokens"]
 
 
+@pytest.mark.heavy  # over a second: make test runs it, make check does not
 def test_num_cached_tokens_and_reset_through_llm(model):
     llm = LLM(model=model, max_model_len=128, num_gpu_blocks_override=64)
     prompt = {"prompt_token_ids": list(range(40))}

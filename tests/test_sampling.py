@@ -155,6 +155,7 @@ GOOD_PROMPT = {"prompt_token_ids": [3, 1, 4, 1, 5]}
 GOOD_PARAMS = dict(temperature=0, max_tokens=3, ignore_eos=True)
 
 
+@pytest.mark.heavy  # over a second: make test runs it, make check does not
 @settings(max_examples=150, deadline=None)
 @given(field=st.sampled_from(sorted(VALID)), value=ANY_VALUE)
 def test_any_value_is_stored_or_refused_by_name_and_the_engine_is_untouched(

@@ -231,6 +231,7 @@ def test_prefix_cached_blocks_on_swap_out_and_in():
 # --- the engine ----------------------------------------------------------------------------
 
 
+@pytest.mark.heavy  # over a second: make test runs it, make check does not
 def test_preemption_mode_through_llm():
     assert SCHEDULERS["recompute"] is Scheduler and SCHEDULERS["swap"] is SwapScheduler
     llm = LLM(max_model_len=64, num_gpu_blocks_override=8, preemption_mode="swap")

@@ -42,6 +42,7 @@ def line_of(path: Path, text: str) -> int:
     return hits[0]
 
 
+@pytest.mark.heavy  # over a second: make test runs it, make check does not
 def test_committed_package_matches_a_fresh_tangle():
     result = check(ROOT)
     assert result.returncode == 0, result.stderr
