@@ -7,8 +7,14 @@ import pytest
 
 import minipaged.runtime as runtime_module
 from minipaged.memory import QWEN2_5_0_5B
-from minipaged.reckoning import (STUDY, STUDY_FIGURES, StudyFigure, decode_step_bytes,
-                                 reproduction_rows, reproduction_table)
+from minipaged.reckoning import (
+    STUDY,
+    STUDY_FIGURES,
+    StudyFigure,
+    decode_step_bytes,
+    reproduction_rows,
+    reproduction_table,
+)
 from minipaged.runtime import Runtime, glue
 
 ROOT = Path(__file__).resolve().parent.parent
