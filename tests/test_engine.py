@@ -198,7 +198,7 @@ def test_random_preset_and_cpu_budget():
     llm = LLM(model="random", max_model_len=256, seed=3)
     pool = llm.llm_engine.pool
     per_token = llm.model.config.model_shape(4).kv_bytes_per_token
-    assert pool.num_blocks == 256 * 2**20 // (per_token * 16)
+    assert pool.num_blocks == min(256 * (256 // 16), 256 * 2**20 // (per_token * 16))
     out = llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=3),
                        use_tqdm=False)
     assert len(out) == 1 and len(out[0].outputs[0].token_ids) == 3
@@ -606,3 +606,97 @@ def test_random_workloads_oversubscribed_give_the_ample_answers_and_free_the_poo
     event(f"preempted: {engine.stats()['num_preemptions'] > 0}")
     assert [o.outputs[0].token_ids for o in answers] == [o.outputs[0].token_ids for o in ample]
     assert engine.pool.get_num_free_blocks() == engine.pool.num_blocks and not engine.requests
+
+
+# ---- the cache's size: what the workload can use on a CPU, a clear refusal on a full GPU ----
+
+def test_cpu_default_cache_holds_what_the_workload_can_use_and_says_so(model, caplog):
+    per_block = model.config.model_shape(4).kv_bytes_per_token * 16
+    with caplog.at_level("INFO", logger="minipaged"):
+        llm = LLM(model=model, max_model_len=64, max_num_seqs=3, enable_prefix_caching=False)
+    assert llm.llm_engine.pool.num_blocks == 3 * 4  # 3 sequences of 4 blocks, not 256 MiB
+    assert llm.llm_engine.kv_cache.num_bytes == 12 * per_block
+    assert "max_num_seqs x max_model_len" in llm.cache_size_source
+    assert f"12 blocks of 16 tokens, {12 * per_block:,} bytes reserved" in caplog.text
+    capped = LLM(model=model, max_num_seqs=10**6, enable_prefix_caching=False)
+    assert capped.llm_engine.pool.num_blocks == minipaged.engine.CPU_KV_CACHE_BYTES // per_block
+    asked = LLM(model=model, max_num_seqs=3, kv_cache_memory_bytes=200 * per_block)
+    assert asked.llm_engine.pool.num_blocks == 200  # a size asked for is a size given
+
+
+@pytest.fixture
+def simulated_gpu(monkeypatch):
+    """The CPU seen as a GPU of 16 GiB with `free` bytes free (set free[0]), as mem_get_info
+    would report it, whose forward pass peaks at 300 MiB: LLM sizes its cache as on a card."""
+    free = [16 * 2**30]
+    monkeypatch.setattr(minipaged.engine, "device_memory", lambda device: (free[0], 16 * 2**30))
+    monkeypatch.setattr(minipaged.engine, "peak_forward_bytes", lambda run, device: 300 * 2**20)
+    return free
+
+
+def test_gpu_budget_is_utilization_minus_what_is_used_and_the_forward_peak(model, simulated_gpu):
+    total, simulated_gpu[0] = 16 * 2**30, 10 * 2**30  # 6 GiB held by others
+    per_block = model.config.model_shape(4).kv_bytes_per_token * 16
+    utilization = (6 * 2**30 + 300 * 2**20 + 1000 * per_block) / total  # about 1,000 blocks left
+    llm = LLM(model=model, gpu_memory_utilization=utilization, enable_prefix_caching=False)
+    blocks = llm.llm_engine.pool.num_blocks
+    assert llm.cache_size_source == "gpu_memory_utilization (after profiling)"
+    assert blocks == (int(utilization * total) - 6 * 2**30 - 300 * 2**20) // per_block
+    assert blocks in (999, 1000)  # chapter 1's budget: utilization x total - used - activations
+
+
+def test_a_budget_the_card_cannot_give_is_refused_before_any_cache(model, simulated_gpu):
+    simulated_gpu[0] = 4 * 2**30  # 12 of 16 GiB in use: 0.7 of the card leaves nothing
+    with pytest.raises(ValueError, match=r"No available memory for the cache blocks: "
+                                         r"gpu_memory_utilization=0.7 of the device's 16.00 GiB "
+                                         r"is 11.20 GiB, but 12.00 GiB is in use already"):
+        LLM(model=model, gpu_memory_utilization=0.7)
+    with pytest.raises(ValueError, match=r"kv_cache_memory_bytes=5,368,709,120 gives 163,840 "
+                                         r"blocks, a cache of 5,368,709,120 bytes, but cpu has "
+                                         r"4,294,967,296 bytes free"):
+        LLM(model=model, kv_cache_memory_bytes=5 * 2**30)
+    simulated_gpu[0] = 16 * 2**30 - 100 * 2**20  # 2 MiB left over: less than one sequence
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization \(after profiling\) gives "
+                                         r"64 blocks .* max_model_len=2048 needs 128 blocks"):
+        LLM(model=model, gpu_memory_utilization=402 * 2**20 / (16 * 2**30))
+
+
+def test_profiling_out_of_memory_is_a_clear_refusal(model, simulated_gpu, monkeypatch):
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(minipaged.engine, "peak_forward_bytes", out_of_memory)
+    with pytest.raises(ValueError, match="No available memory to profile a forward pass of "
+                                         "max_num_batched_tokens=2048"):
+        LLM(model=model)
+
+
+@pytest.mark.heavy  # Triton's interpreter runs every layer's kernels: seconds
+def test_host_reads_per_step_do_not_grow_with_the_layers(monkeypatch):
+    """A step checks its metadata once, on the host; no layer reads a tensor back (a sync on a
+    GPU). The engine's own reads of tensors are counted for 2 and 6 layers: the same."""
+    package = os.path.dirname(minipaged.engine.__file__)
+    counts = []
+    for num_layers in (2, 6):
+        model = random_model(ModelConfig.small(num_layers=num_layers), seed=0,
+                             attention_backend="triton")
+        llm = LLM(model=model, max_model_len=64, num_gpu_blocks_override=16,
+                  enable_prefix_caching=False)
+        reads = []
+        with monkeypatch.context() as patch:
+            for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__",
+                         "__index__"):
+                original = getattr(torch.Tensor, name)
+
+                def counted(tensor, *args, _original=original, _reads=reads, **kwargs):
+                    caller = sys._getframe(1).f_code.co_filename
+                    if caller.startswith(package):  # minipaged's reads, not the interpreter's
+                        _reads.append(caller)
+                    return _original(tensor, *args, **kwargs)
+                patch.setattr(torch.Tensor, name, counted)
+            llm.generate([{"prompt_token_ids": [1, 2, 3, 4, 5]}, {"prompt_token_ids": [7, 8]}],
+                         SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+                         use_tqdm=False)
+        counts.append((len(reads), llm.llm_engine.num_steps))
+    assert counts[0] == counts[1], counts
+    assert counts[0][0] <= 40 * counts[0][1]  # a few dozen checks a step, not per layer

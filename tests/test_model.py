@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import weakref
 from dataclasses import replace
 
 import pytest
@@ -431,6 +432,46 @@ def test_load_model_casts_a_bfloat16_checkpoint_with_no_lm_head(tmp_path, config
         assert b.dtype == torch.float16 and torch.equal(a.to(torch.float16), b), name
 
 
+def test_load_model_streams_the_checkpoint_one_tensor_at_a_time_on_the_host(tmp_path,
+                                                                            monkeypatch):
+    """No second copy of the model: the checkpoint's tensors are read on the host, each dropped
+    before the next but one is read, and copied into weights allocated once in the target dtype."""
+    stored = random_model(ModelConfig.small(num_layers=3), seed=5, dtype=torch.bfloat16)
+    save_pretrained(stored, tmp_path)
+    alive, most, devices = set(), [0], set()
+    real_load_weights = Qwen2ForCausalLM.load_weights
+
+    def watched(self, weights):
+        def each():
+            for name, tensor in weights:
+                devices.add(tensor.device.type)
+                alive.add(name)
+                weakref.finalize(tensor, alive.discard, name)
+                most[0] = max(most[0], len(alive))
+                yield name, tensor
+        real_load_weights(self, each())
+
+    monkeypatch.setattr(Qwen2ForCausalLM, "load_weights", watched)
+    loaded = load_model(tmp_path, dtype=torch.float16)
+    assert devices == {"cpu"} and most[0] <= 2
+    assert len(stored.hf_state_dict()) > 2 * most[0]  # a checkpoint of many tensors
+    assert all(p.dtype == torch.float16 for p in loaded.parameters())
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight  # the head is not a copy
+
+
+def test_load_model_refuses_a_gpu_without_room_for_the_weights(monkeypatch):
+    from minipaged.huggingface import check_room_for_weights
+
+    with torch.device("meta"):
+        qwen = Qwen2ForCausalLM(ModelConfig.from_hf_config(QWEN_CONFIG)).to(torch.float16)
+    need = 494_032_768 * 2  # the real model's parameters in fp16, its tied head counted once
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (need - 1, 15 * 2**30))
+    with pytest.raises(ValueError, match=f"the weights need {need:,} bytes on cuda"):
+        check_room_for_weights(qwen, torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (need, 15 * 2**30))
+    check_room_for_weights(qwen, torch.device("cuda"))
+
+
 def test_load_model_refuses_a_directory_without_a_checkpoint(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(QWEN_CONFIG))
     with pytest.raises(ValueError, match="safetensors"):
@@ -615,3 +656,17 @@ def test_layers_trust_the_step_checked_once(monkeypatch):
     ours, theirs = run_schedule(triton_model, prompts, tables, num_blocks, chunks)
     torch.testing.assert_close(ours, reference, atol=TOLERANCE, rtol=0)
     torch.testing.assert_close(theirs, other, atol=TOLERANCE, rtol=0)
+
+
+def test_first_divergence_finds_the_first_differing_token_or_a_length_mismatch():
+    from minipaged.model import first_divergence
+    assert first_divergence([[1, 2], [3, 4, 5]], [[1, 2], [3, 4, 5]]) is None
+    assert first_divergence([[1, 2], [3, 9, 5]], [[1, 2], [3, 4, 6]]) == (1, 1)
+    assert first_divergence([[1, 2, 3]], [[1, 2]]) == (0, 2)
+
+
+def test_top2_margin_is_the_gap_between_transformers_two_best_logits(model, peer, config):
+    from minipaged.model import top2_margin
+    prompt = make_prompts([37], config.vocab_size, seed=3)[0]
+    best = reference_logits(peer, prompt)[-1].topk(2).values
+    assert top2_margin(model, prompt) == pytest.approx(float(best[0] - best[1]), abs=1e-4)

@@ -130,3 +130,42 @@ def test_the_triton_floor_is_the_same_everywhere():
     requirements = (ROOT / "requirements.txt").read_text()
     assert re.search(r"^triton>=3\.4\b", requirements, re.M)
     assert "3.4.0, 3.5.1, 3.6.0 and 3.9.0" in (ROOT / "book" / "colab.md").read_text()
+
+
+def detected(monkeypatch, gpu: bool, **env: str):
+    """Runtime.detect() with or without a (simulated) GPU and these environment variables."""
+    import torch
+
+    from minipaged.runtime import Runtime
+
+    for name in ("MINIPAGED_DEVICE", "MINIPAGED_SCALE", "MINIPAGED_EXPECT_GPU",
+                 "COLAB_RELEASE_TAG"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Simulated T4")
+    return Runtime.detect()
+
+
+def test_a_plain_cpu_machine_says_small_size_because_no_gpu(monkeypatch):
+    text = str(detected(monkeypatch, gpu=False))
+    assert text == ("Running on the CPU (Triton kernels under its interpreter), in float32, at "
+                    "small sizes, because no GPU was found.")
+
+
+def test_colab_without_a_gpu_prints_a_banner_saying_how_to_get_one(monkeypatch):
+    for env in (dict(COLAB_RELEASE_TAG="release-colab"), dict(MINIPAGED_EXPECT_GPU="1")):
+        lines = str(detected(monkeypatch, gpu=False, **env)).splitlines()
+        assert lines[0] == lines[-1] == "=" * 78
+        assert lines[1].startswith("NO GPU. Running on the CPU") and "no GPU was found" in lines[1]
+        assert "Runtime > Change runtime type > T4 GPU" in lines[2]
+
+
+def test_a_cpu_asked_for_is_no_alarm_and_a_gpu_is_named(monkeypatch):
+    chosen = str(detected(monkeypatch, gpu=True, MINIPAGED_DEVICE="cpu",
+                          COLAB_RELEASE_TAG="release-colab"))
+    assert chosen.endswith("because MINIPAGED_DEVICE=cpu asks for it.") and "NO GPU" not in chosen
+    assert str(detected(monkeypatch, gpu=True, COLAB_RELEASE_TAG="release-colab")) == (
+        "Running on Simulated T4, in float16, at the study's sizes.")

@@ -1,0 +1,147 @@
+"""How long each chapter should take on a Colab T4 at full size: an estimate, until a GPU measures.
+
+No GPU has run the chapters yet, so this script estimates, from things it can state:
+
+* **Work.** tools/t4_ledger.py walks each chapter at full size and counts the model's forward
+  passes (steps) and the prompt tokens it computes: ``llm.generate`` and ``llm.stream`` as
+  prompt tokens in steps of ``max_num_batched_tokens``, then one step per generated token for
+  each batch of ``max_num_seqs`` requests; a model or a transformers peer called directly, one
+  step per call or per new token. Steps added by preemption are not counted, nor requests whose
+  length the ledger cannot follow (the ``uncounted`` column).
+* **The card's floor.** Each step streams the weights once at the T4's 320 GB/s, and each prompt
+  token costs 2 x parameters FLOPs at its 65 TFLOP/s in fp16: the fastest the work could go.
+* **The host's cost.** The engine runs each step from Python: a step of a 24-layer model whose
+  arithmetic is negligible (hidden size 64) is timed on this machine's CPU, one request,
+  minimum of three runs. On a GPU the host does this much work or less per step, kernels
+  launched instead of computed; the floor plus this cost is the upper end of the estimate.
+* **Chapters without GPU work** (the simulations of chapters 2 and 3) are timed here, on this
+  CPU, at full size (``--run-cpu-chapters``; MINIPAGED_SCALE=full), as Colab's CPU would run them.
+
+Not included: installing minipaged, downloading the checkpoint, Triton's first compilation of
+each kernel, and chapter 5's kernel timings (bench/gpu_check measures those on a GPU).
+Writes bench/results/t4_estimate.csv; book/colab.md shows it.
+
+    python bench/t4_estimate.py                     # CPU chapters' times kept from the last CSV
+    python bench/t4_estimate.py --run-cpu-chapters  # time chapters 2 and 3 at full size again
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import importlib.util
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results" / "t4_estimate.csv"
+T4_FP16_FLOPS = 65e12  # the T4's fp16 tensor-core peak
+T4_BYTES_PER_S = 320e9  # the T4's memory bandwidth
+CPU_CHAPTERS = ("02_fragmentation", "03_block_pool")
+FIELDS = ["chapter", "peak GiB on a T4 (ledger)", "steps", "prompt tokens", "uncounted requests",
+          "floor min", "host s/step", "estimate min", "how"]
+# What the ledger's count leaves out, where it is most of a chapter's time.
+NOTES = {"05_paged_attention": "kernel timings not counted: bench/gpu_check measures them"}
+
+
+def load_ledger():
+    spec = importlib.util.spec_from_file_location("t4_ledger", ROOT / "tools" / "t4_ledger.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["t4_ledger"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def host_seconds_per_step(repeats: int = 3) -> float:
+    """One decode step of a 24-layer model of negligible width, on this CPU, one thread."""
+    from minipaged import LLM, SamplingParams
+    from minipaged.model import ModelConfig
+
+    torch.set_num_threads(1)
+    config = ModelConfig.small(num_layers=24, hidden_size=64, intermediate_size=64,
+                               vocab_size=256)
+    llm = LLM(model=config, max_model_len=256, num_gpu_blocks_override=64,
+              enable_prefix_caching=False, attention_backend="torch")
+    prompt, params = {"prompt_token_ids": [1, 2, 3]}, SamplingParams(temperature=0,
+                                                                     max_tokens=32,
+                                                                     ignore_eos=True)
+    llm.generate(prompt, params, use_tqdm=False)  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        steps, start = llm.llm_engine.num_steps, time.perf_counter()
+        llm.generate(prompt, params, use_tqdm=False)
+        best = min(best, (time.perf_counter() - start) / (llm.llm_engine.num_steps - steps))
+    return best
+
+
+def cpu_chapter_seconds(chapter: str) -> float:
+    """Execute a chapter at full size on this CPU (nbclient, as the book's build does); seconds."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    os.environ.update(MINIPAGED_SCALE="full", MINIPAGED_DEVICE="cpu", TRITON_INTERPRET="1")
+    notebook = nbformat.read(ROOT / "chapters" / f"{chapter}.ipynb", as_version=4)
+    start = time.perf_counter()
+    NotebookClient(notebook, timeout=3600, resources={"metadata": {"path": str(ROOT / "chapters")}}
+                   ).execute()
+    return time.perf_counter() - start
+
+
+def previous_rows() -> dict[str, dict]:
+    if not RESULTS.exists():
+        return {}
+    with open(RESULTS, newline="") as handle:
+        return {row["chapter"]: row for row in csv.DictReader(handle)}
+
+
+def previous_minutes(rows: dict[str, dict], chapter: str) -> float:
+    """The estimate the last CSV gave a chapter, in minutes (NaN when there is none)."""
+    try:
+        return float(rows[chapter]["estimate min"])
+    except (KeyError, ValueError):
+        return float("nan")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--run-cpu-chapters", action="store_true")
+    args = parser.parse_args()
+    ledger, before = load_ledger(), previous_rows()
+    host = host_seconds_per_step()
+    rows = []
+    for notebook in sorted((ROOT / "chapters").glob("[0-9][0-9]_*.ipynb")):
+        result = ledger.ledger(notebook)
+        work, chapter = result.work, notebook.stem
+        parameters = work.weight_bytes / 2  # fp16
+        floor = (work.steps * work.weight_bytes / T4_BYTES_PER_S
+                 + 2 * parameters * work.prompt_tokens / T4_FP16_FLOPS)
+        estimate, how = floor + work.steps * host, "floor + host cost per step"
+        if chapter in CPU_CHAPTERS:
+            seconds = (cpu_chapter_seconds(chapter) if args.run_cpu_chapters
+                       else previous_minutes(before, chapter) * 60)
+            floor, estimate, how = float("nan"), seconds, "measured at full size on this CPU"
+        elif not work.steps:
+            how = "no model steps counted"
+        how = NOTES.get(chapter, how)
+        peak = result.peak.total / 2**30 if result.peak else 0.0
+        rows.append({"chapter": chapter, "peak GiB on a T4 (ledger)": f"{peak:.2f}",
+                     "steps": work.steps, "prompt tokens": work.prompt_tokens,
+                     "uncounted requests": work.unknown_requests,
+                     "floor min": "" if floor != floor else f"{floor / 60:.2f}",
+                     "host s/step": f"{host:.4f}" if work.steps else "",
+                     "estimate min": f"{estimate / 60:.1f}" if estimate >= 6 else "< 0.1",
+                     "how": how})
+        print(rows[-1])
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    with open(RESULTS, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=FIELDS)
+        writer.writeheader()
+        writer.writerows(rows)
+    print(f"wrote {RESULTS.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""Every chapter at full size fits a T4: the ledger of tools/t4_ledger.py, on every chapter.
+
+The ledger walks each chapter's cells at full size (``runtime.pick(full=...)``, the real
+Qwen2.5-0.5B in fp16, its configuration read from chapter 6) and adds up what is alive on the
+device at every allocation: weights, KV caches sized by the engine's own ``num_cache_blocks``,
+the CUDA context and one step's activation peak. The first test is the guarantee; the others
+show that the ledger sees what it must (an unsized engine, two engines alive at once, a
+construction it never reached), on small notebooks written for the purpose.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+CHAPTERS = sorted((ROOT / "chapters").glob("[0-9][0-9]_*.ipynb"))
+
+
+@pytest.fixture(scope="module")
+def t4_ledger():
+    spec = importlib.util.spec_from_file_location("t4_ledger", ROOT / "tools" / "t4_ledger.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["t4_ledger"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def chapter_ledgers(t4_ledger):
+    return {}
+
+
+def ledger_of(t4_ledger, chapter_ledgers, notebook: Path):
+    """The chapter's ledger, computed once for the module."""
+    if notebook.stem not in chapter_ledgers:
+        chapter_ledgers[notebook.stem] = t4_ledger.ledger(notebook)
+    return chapter_ledgers[notebook.stem]
+
+
+@pytest.mark.parametrize("notebook", CHAPTERS, ids=[n.stem for n in CHAPTERS])
+def test_every_chapter_fits_a_t4_at_full_size(t4_ledger, chapter_ledgers, notebook):
+    from minipaged.memory import T4_TOTAL_BYTES
+
+    result = ledger_of(t4_ledger, chapter_ledgers, notebook)
+    assert not result.over, f"more than a T4 holds alive at once: {result.over}"
+    assert not result.refused, f"engines a T4 would refuse: {result.refused}"
+    assert not result.unsized, f"engines on the GPU without an explicit size: {result.unsized}"
+    assert not result.unreached, f"engine constructions the ledger never reached: " \
+                                 f"{result.unreached}"
+    assert result.peak is None or result.peak.total <= T4_TOTAL_BYTES
+
+
+def test_the_chapters_that_serve_the_real_model_are_seen_doing_so(t4_ledger, chapter_ledgers):
+    """The ledger is no vacuous pass: it books the real weights and real engines."""
+    from minipaged.memory import QWEN2_5_0_5B
+
+    results = {n.stem[:2]: ledger_of(t4_ledger, chapter_ledgers, n) for n in CHAPTERS}
+    for chapter in ["07", "08", "09", "10", "11"]:
+        events = results[chapter].events
+        assert any(e.what.startswith("load_model") for e in events), chapter
+        assert any(e.what.startswith("LLM: ") for e in events), chapter
+        assert results[chapter].peak.activation > 0
+    assert t4_ledger.model_bytes(t4_ledger.qwen_config(), 2) == QWEN2_5_0_5B.weight_bytes
+
+
+def notebook(tmp_path: Path, *cells: str) -> Path:
+    """An .ipynb of these code cells, after chapter 1's first cell and a loaded model."""
+    setup = ["from minipaged.runtime import Runtime\nruntime = Runtime.detect()",
+             "from minipaged import LLM\nfrom minipaged.huggingface import load_model\n"
+             "model = load_model('Qwen/Qwen2.5-0.5B-Instruct', dtype=runtime.dtype, "
+             "device=runtime.device)"]
+    path = tmp_path / "99_test.ipynb"
+    path.write_text(json.dumps({"cells": [{"cell_type": "code", "source": source}
+                                          for source in setup + list(cells)]}))
+    return path
+
+
+def test_an_engine_left_at_the_default_utilization_is_named(t4_ledger, tmp_path):
+    result = t4_ledger.ledger(notebook(tmp_path, "llm = LLM(model=model, max_model_len=2048)"))
+    assert result.unsized == ["line 1: LLM"] and not result.over
+    sized = t4_ledger.ledger(notebook(
+        tmp_path, "llm = LLM(model=model, max_model_len=2048, gpu_memory_utilization=0.5)"))
+    assert not sized.unsized
+
+
+def test_two_engines_alive_at_once_overflow_and_released_in_between_fit(t4_ledger, tmp_path):
+    from minipaged.memory import GiB
+
+    big = "LLM(model=model, max_model_len=2048, num_gpu_blocks_override=runtime.pick(" \
+          "small=128, full=40_000))"  # 7.3 GiB of cache at full size
+    both = t4_ledger.ledger(notebook(tmp_path, f"a = {big}", f"b = {big}"))
+    assert both.over and both.peak.total > 14.5 * GiB
+    released = t4_ledger.ledger(notebook(tmp_path, f"a = {big}", f"del a\nb = {big}"))
+    assert not released.over and released.peak.total < 9 * GiB
+    # Rebinding in a loop: the old engine lives until the new one is built, as in Python.
+    looped = t4_ledger.ledger(notebook(tmp_path, f"for _ in range(3):\n    llm = {big}"))
+    assert looped.over
+    in_a_function = t4_ledger.ledger(notebook(
+        tmp_path, f"def fresh():\n    llm = {big}\n    return 1",
+        "x = [fresh() for _ in range(3)]"))
+    assert not in_a_function.over
+
+
+def test_an_engine_the_card_cannot_size_is_refused_and_an_unreached_one_named(t4_ledger,
+                                                                             tmp_path):
+    full_card = "a = LLM(model=model, max_model_len=2048, gpu_memory_utilization=0.9)"
+    refused = t4_ledger.ledger(notebook(
+        tmp_path, full_card, "b = LLM(model=model, max_model_len=2048, "
+                             "gpu_memory_utilization=0.9)"))
+    assert any("No available memory for the cache blocks" in r for r in refused.refused)
+    unreached = t4_ledger.ledger(notebook(
+        tmp_path, "def never():\n    return LLM(model=model, num_gpu_blocks_override=200)"))
+    assert unreached.unreached == ["cell 2 line 2"]
