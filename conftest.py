@@ -5,6 +5,11 @@ without a failure is stored, with the outputs nbval captured, in the book's jupy
 (``_build/.jupyter_cache``). The book build that follows finds the chapter there by the hash
 of its code and does not execute it a second time. A chapter with any failing cell is not
 stored, so the book build executes it again and shows the failure.
+
+Each chapter's kernel is started with MINIPAGED_CHAPTER naming the chapter, so that the values it
+glues are recorded under its name in ``_build/measured/`` (chapter 1's runtime helper), where
+chapter 12 reads them. A session that runs every chapter sets MINIPAGED_REQUIRE_MEASURED, and
+chapter 12 then fails on any figure of the study that no chapter of this session measured.
 """
 import os
 from pathlib import Path
@@ -18,6 +23,31 @@ settings.load_profile("minipaged")
 
 ROOT = Path(__file__).resolve().parent
 CACHE = ROOT / "_build" / ".jupyter_cache"
+
+
+def pytest_collection_modifyitems(session, config, items):
+    ran = {Path(str(item.parent.fspath)).stem for item in items
+           if type(item).__name__ == "IPyNbCell"}
+    every = {path.stem for path in (ROOT / "chapters").glob("[0-9][0-9]_*.md")}
+    if every and every <= ran:
+        os.environ["MINIPAGED_REQUIRE_MEASURED"] = "1"  # inherited by the kernels started next
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    if type(item).__name__ != "IPyNbCell":
+        yield
+        return
+    before = os.environ.get("MINIPAGED_CHAPTER")
+    # nbval starts a notebook's kernel while setting up its first cell: the kernel inherits this
+    os.environ["MINIPAGED_CHAPTER"] = Path(str(item.parent.fspath)).stem
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("MINIPAGED_CHAPTER", None)
+        else:
+            os.environ["MINIPAGED_CHAPTER"] = before
 
 
 @pytest.hookimpl(hookwrapper=True)

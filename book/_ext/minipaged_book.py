@@ -5,9 +5,12 @@
 - The theme starts in a named colour mode, so a first visit logs no "invalid theme mode" error.
 - Each chapter's executed notebook (with its outputs, as the build ran it) is copied next to the
   pages, under _executed/, for the download link that minipaged.js adds to each chapter.
+- A chapter executed by the build runs with MINIPAGED_CHAPTER naming it, so that the values it
+  glues are recorded under its name in _build/measured/ for chapter 12's reproduction table.
 """
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -48,8 +51,18 @@ def _copy_executed_notebooks(app, exception) -> None:
         shutil.copy2(notebook, target / notebook.name)
 
 
+def _name_the_chapter(app, docname, source) -> None:
+    # MyST-NB executes a notebook while parsing it, just after this event: its kernel inherits
+    # the variable. Reading is serial here (jupyter-book does not read in parallel).
+    if docname.startswith("chapters/"):
+        os.environ["MINIPAGED_CHAPTER"] = docname.removeprefix("chapters/")
+    else:
+        os.environ.pop("MINIPAGED_CHAPTER", None)
+
+
 def setup(app):
     app.connect("config-inited", _default_mode)
+    app.connect("source-read", _name_the_chapter)
     app.connect("html-page-context", _one_of_each_script, priority=100)  # before any handler
     # that returns a template, which would stop the event (Sphinx emits it "first result")
     app.connect("build-finished", _copy_executed_notebooks)

@@ -1,0 +1,142 @@
+"""Chapter 12's table of the study's figures: one row each, values only from chapter records."""
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+import minipaged.runtime as runtime_module
+from minipaged.memory import QWEN2_5_0_5B
+from minipaged.reckoning import (
+    STUDY,
+    STUDY_FIGURES,
+    StudyFigure,
+    decode_step_bytes,
+    reproduction_rows,
+    reproduction_table,
+)
+from minipaged.runtime import Runtime, glue
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def chapter_source(number: int) -> str:
+    (path,) = (ROOT / "chapters").glob(f"{number:02d}_*.md")
+    return path.read_text()
+
+
+def glued_in(source: str, key: str) -> bool:
+    """Whether the chapter glues key: literally, or through an f-string pattern."""
+    for name in re.findall(r'glue\((f?"[^"]+")', source):
+        pattern = re.escape(name.lstrip("f").strip('"'))
+        if name.startswith("f"):
+            pattern = re.sub(r"\\\{[^}]*\\\}", r"[a-z0-9_]+", pattern)
+        if re.fullmatch(pattern, key):
+            return True
+    return False
+
+
+def record(folder: Path, chapter: str, values: dict, **where) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    entry = dict(chapter=chapter, device="cpu", scale="small", gpu=None, values=values) | where
+    (folder / f"{chapter}.json").write_text(json.dumps(entry))
+
+
+def test_every_figure_is_measured_by_a_glue_of_its_chapter_or_says_why_not():
+    for figure in STUDY_FIGURES:
+        if figure.key is None:
+            assert figure.why, figure.name
+        else:
+            assert glued_in(chapter_source(figure.chapter), figure.key), \
+                f"{figure.name}: chapter {figure.chapter} never glues {figure.key!r}"
+
+
+def test_the_table_covers_the_study_with_one_row_per_figure(tmp_path):
+    assert len(STUDY_FIGURES) >= 60 and len(STUDY) == len(STUDY_FIGURES)
+    assert {figure.chapter for figure in STUDY_FIGURES} >= {1, 2, 3, 4, 5, 6, 7, 8, 10}
+    rows = reproduction_rows(directory=tmp_path / "none", root=tmp_path)
+    assert [row["figure"] for row in rows] == STUDY_FIGURES
+    table = reproduction_table(rows)
+    assert table.count("<tr>") == 1 + len(STUDY_FIGURES)  # the head, then a row per figure
+    assert all(row["minipaged"] is None for row in rows)  # nothing recorded: nothing shown
+    assert all(row["verdict"].startswith(("not yet measured: run chapter",
+                                          "not measurable here")) for row in rows)
+
+
+def test_a_value_comes_only_from_a_chapter_record(tmp_path):
+    figure = STUDY["capacity_512"]
+    record(tmp_path, "03_block_pool", {"capacity_512": 1_814})
+    record(tmp_path, "04_kv_cache", {"something_else": 1})
+    rows = {row["figure"].name: row for row in reproduction_rows(directory=tmp_path,
+                                                                 root=tmp_path)}
+    assert rows[figure.name]["minipaged"] == 1_814
+    assert rows[figure.name]["measured"].source == str(tmp_path / "03_block_pool.json")
+    assert rows[figure.name]["measured"].where == "CPU, small size"
+    assert rows[figure.name]["verdict"] == "reproduced"
+    # chapter 4 ran but glued none of its figures: no value, and the verdict says so
+    assert rows["tile_macs"]["minipaged"] is None
+    assert rows["tile_macs"]["verdict"].startswith("not yet measured: chapter 4 ran without")
+    assert rows["table_bytes"]["verdict"].startswith("not yet measured: chapter 3 ran without")
+    assert rows["num_layers"]["verdict"] == "not yet measured: run chapter 5 first"
+
+
+def test_verdicts_follow_the_studys_precision_and_the_size_of_the_run(tmp_path):
+    record(tmp_path, "03_block_pool", {"tail_share_16": 0.0282, "gain_equal_256": 7.2,
+                                       "reservation_over_tail": 136.5})
+    record(tmp_path, "08_prefix_caching", {"sixteen_off_s": 3.1})
+    rows = {row["figure"].name: row for row in reproduction_rows(directory=tmp_path,
+                                                                 root=tmp_path)}
+    assert rows["tail_share_16"]["minipaged"] == pytest.approx(2.82)
+    assert rows["tail_share_16"]["verdict"] == "reproduced"
+    assert rows["gain_equal_256"]["verdict"].startswith("differs")  # 8.0 printed: 7.2 is not it
+    assert rows["reservation_over_tail"]["verdict"] == "reproduced"  # "over a hundred"
+    assert rows["sixteen_off_s"]["verdict"].startswith("not measurable here, because a CPU")
+    assert rows["sixteen_off_s"]["minipaged"] == 3.1  # shown all the same
+
+
+def test_a_gpu_run_at_full_size_is_preferred(tmp_path):
+    record(tmp_path / "measured", "08_prefix_caching", {"sixteen_off_s": 3.1})
+    card = tmp_path / "bench" / "results" / "NVIDIA H200"
+    card.mkdir(parents=True)
+    (card / "env.json").write_text(json.dumps({"device": "cuda", "gpu": "NVIDIA H200",
+                                               "started_at": "2026-01-01T00:00:00"}))
+    (card / "chapter_08_glue.csv").write_text("chapter,cell,name,value\n"
+                                              "08_prefix_caching,3,sixteen_off_s,7.9\n")
+    rows = {row["figure"].name: row for row in reproduction_rows(directory=tmp_path / "measured",
+                                                                 root=tmp_path)}
+    assert rows["sixteen_off_s"]["measured"].where == "NVIDIA H200, full size"
+    assert rows["sixteen_off_s"]["verdict"].startswith("differs")  # 7.9 against 7.93
+
+
+def test_bad_figures_are_refused():
+    with pytest.raises(ValueError, match="name"):
+        StudyFigure("Bad Name", "x", 1, "", 3, "capacity_512")
+    with pytest.raises(ValueError, match="study"):
+        StudyFigure("capacity_512", "x", "1,814", "", 3, "capacity_512")
+    with pytest.raises(ValueError, match="chapter"):
+        StudyFigure("capacity_512", "x", 1814, "", 12, "capacity_512")
+    with pytest.raises(ValueError, match="why"):
+        StudyFigure("tokens_per_second", "x", 4740, "tokens/s", 5)
+
+
+def test_glue_records_the_chapter_and_where_it_ran(tmp_path, monkeypatch):
+    monkeypatch.setenv("MINIPAGED_MEASURED_DIR", str(tmp_path))
+    monkeypatch.setenv("MINIPAGED_CHAPTER", "03_block_pool")
+    monkeypatch.setattr(runtime_module, "_record", {})
+    monkeypatch.setenv("MINIPAGED_DEVICE", "cpu")
+    Runtime.detect()
+    glue("capacity_512", 1_814)
+    glue("a_figure", object())  # not a number: not recorded
+    saved = json.loads((tmp_path / "03_block_pool.json").read_text())
+    assert saved["values"] == {"capacity_512": 1_814}
+    assert (saved["chapter"], saved["device"], saved["scale"]) == ("03_block_pool", "cpu",
+                                                                   "small")
+
+
+def test_a_decode_step_moves_the_weights_whatever_paging_does():
+    step = decode_step_bytes(QWEN2_5_0_5B, 1, 2048)
+    assert step["weights"] == QWEN2_5_0_5B.weight_bytes
+    assert step["keys and values"] == 2048 * 12 * 1024
+    assert step["block table"] == 2048 * 2 * 24 * 4  # chapter 4's count of table reads
+    with pytest.raises(ValueError, match="batch"):
+        decode_step_bytes(QWEN2_5_0_5B, 0, 2048)
