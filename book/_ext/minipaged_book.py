@@ -7,9 +7,13 @@
   pages, under _executed/, for the download link that minipaged.js adds to each chapter.
 - A chapter executed by the build runs with MINIPAGED_CHAPTER naming it, so that the values it
   glues are recorded under its name in _build/measured/ for chapter 12's reproduction table.
+- Chapter 12 reads those records, which its own code does not mention, so jupyter-cache would
+  keep its page when only an earlier chapter re-ran. Before it is read, its cached execution is
+  dropped if any other chapter's record is newer than it, and the build runs it again.
 """
 from __future__ import annotations
 
+import datetime
 import os
 import shutil
 from pathlib import Path
@@ -51,7 +55,39 @@ def _copy_executed_notebooks(app, exception) -> None:
         shutil.copy2(notebook, target / notebook.name)
 
 
+READS_THE_RECORDS = "chapters/12_what_it_bought"
+
+
+def forget_stale_reckoning(root: Path) -> list[int]:
+    """Drop chapter 12's cached executions older than another chapter's record; return their pks."""
+    measured, cache_path = root / "_build" / "measured", root / "_build" / ".jupyter_cache"
+    stamps = [p.stat().st_mtime for p in measured.glob("*.json")
+              if not p.name.startswith(Path(READS_THE_RECORDS).name)]
+    if not stamps or not cache_path.is_dir():
+        return []
+    from jupyter_cache import get_cache
+
+    newest = datetime.datetime.fromtimestamp(max(stamps), datetime.timezone.utc)
+    cache, dropped = get_cache(str(cache_path)), []
+    for record in cache.list_cache_records():
+        created = record.created if record.created.tzinfo else record.created.replace(
+            tzinfo=datetime.timezone.utc)  # jupyter-cache stores UTC
+        if Path(record.uri).stem == Path(READS_THE_RECORDS).name and created < newest:
+            cache.remove_cache(record.pk)
+            dropped.append(record.pk)
+    return dropped
+
+
+def _reread_reckoning(app, env, added, changed, removed) -> list[str]:
+    # An incremental build re-reads only changed sources: chapter 12 must come along whenever
+    # another chapter is read (and so may run and record), or its stale check never happens.
+    others = {d for d in added | changed if d.startswith("chapters/") and d != READS_THE_RECORDS}
+    return [READS_THE_RECORDS] if others and READS_THE_RECORDS in env.found_docs else []
+
+
 def _name_the_chapter(app, docname, source) -> None:
+    if docname == READS_THE_RECORDS and forget_stale_reckoning(Path(app.srcdir)):
+        logger.info("minipaged_book: chapter 12 runs again: a chapter's record is newer")
     # MyST-NB executes a notebook while parsing it, just after this event: its kernel inherits
     # the variable. Reading is serial here (jupyter-book does not read in parallel).
     if docname.startswith("chapters/"):
@@ -62,6 +98,7 @@ def _name_the_chapter(app, docname, source) -> None:
 
 def setup(app):
     app.connect("config-inited", _default_mode)
+    app.connect("env-get-outdated", _reread_reckoning)
     app.connect("source-read", _name_the_chapter)
     app.connect("html-page-context", _one_of_each_script, priority=100)  # before any handler
     # that returns a template, which would stop the event (Sphinx emits it "first result")
