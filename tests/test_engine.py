@@ -380,7 +380,7 @@ INVALID_OPTIONS = {
                            st.lists(st.integers(), max_size=2)),
     "enable_prefix_caching": st.one_of(st.none(), st.integers(), st.floats(), st.text(max_size=3)),
     "attention_backend": st.one_of(st.none(), st.integers(), st.text(max_size=8).filter(
-        lambda b: b not in ("auto", "torch", "triton"))),
+        lambda b: b not in ("auto", "torch", "batched", "triton"))),
 }
 
 
