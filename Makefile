@@ -42,6 +42,7 @@ $(PLAYWRIGHT): $(STAMP)
 ## Open every page of the built book in headless Chromium at 1280 px (run `make book` first):
 ## first prove the checker catches planted defects, then check the book; screenshots in _build/.
 browser-check: $(PLAYWRIGHT)
+	$(BIN)/python tools/browser_check.py --install-only
 	MINIPAGED_REQUIRE_BROWSER=1 $(BIN)/python -m pytest tests/test_browser_check.py -q
 	$(BIN)/python tools/browser_check.py _build/html --screenshots _build/screenshots
 

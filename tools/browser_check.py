@@ -323,7 +323,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="the chapters' sources, whose code lines are held to the page width")
     parser.add_argument("--no-install", action="store_true",
                         help="fail instead of installing chromium with apt-get")
+    parser.add_argument("--install-only", action="store_true",
+                        help="install chromium when missing, check nothing")
     args = parser.parse_args(argv)
+    if args.install_only:
+        print(f"browser-check: chromium at {find_chromium(install=True)}")
+        return 0
     return 1 if run(args.root, args.screenshots, install=not args.no_install,
                     chapters=args.chapters) else 0
 
