@@ -14,7 +14,10 @@ a fixed seed), greedy. The same weights run in every engine:
 Throughput counts the requested tokens only (the padded batch computes more, and that is its
 cost). Every engine runs once untimed, then ``--repeats`` times, interleaved, the order reversed
 on every other round so that a machine drifting slower or faster favours no one; the fastest and
-the median run are reported, at 1 and 2 threads (``torch.set_num_threads``), wall clock.
+the median run are reported, at 1 and 2 threads (``torch.set_num_threads``), by the wall clock
+and by the process's CPU time. On a shared machine the wall clock also counts the time other
+jobs held the cores; CPU time counts only what the process itself spent (summed over its
+threads, so at 2 threads it measures work, not latency).
 
 Cache bytes: for minipaged, *reserved* is the KV tensors the engine allocated and *used* the
 most blocks in use at once times the bytes of a block; for transformers, the tensors of its cache
@@ -44,8 +47,8 @@ from minipaged.model import ModelConfig, random_model
 RESULTS = Path(__file__).resolve().parent / "results"
 FIELDS = ["threads", "engine", "repeats", "requested_tokens", "best_s", "median_s",
           "best_tokens_per_s", "median_tokens_per_s", "minipaged_speedup_best",
-          "minipaged_speedup_median", "cache_reserved_bytes", "cache_used_bytes",
-          "answers_equal"]
+          "minipaged_speedup_median", "best_cpu_s", "median_cpu_s", "minipaged_cpu_speedup_median",
+          "cache_reserved_bytes", "cache_used_bytes", "answers_equal"]
 
 
 def workload(vocab_size: int, num_prompts: int = 32, seed: int = 0):
@@ -131,14 +134,17 @@ def measure(engines, repeats: int, threads: int, requested: int) -> list[dict]:
     torch.set_num_threads(threads)
     results = {e.name: e.run() for e in engines}  # warm-up; answers and cache bytes
     times = {e.name: [] for e in engines}
+    cpu = {e.name: [] for e in engines}
     for round_ in range(repeats):
         for engine in engines if round_ % 2 == 0 else engines[::-1]:
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             engine.run()
             times[engine.name].append(time.perf_counter() - start)
+            cpu[engine.name].append(time.process_time() - cpu_start)
         print(f"  {threads} thread(s), round {round_ + 1}/{repeats}: "
               + ", ".join(f"{n} {t[-1]:.2f}s" for n, t in times.items()), flush=True)
     ours_tokens = results[engines[0].name][0]
+    ours_cpu = statistics.median(cpu[engines[0].name])
     rows = []
     for engine in engines:
         tokens, reserved, used = results[engine.name]
@@ -150,6 +156,9 @@ def measure(engines, repeats: int, threads: int, requested: int) -> list[dict]:
             median_tokens_per_s=round(requested / median, 1),
             minipaged_speedup_best=round(best / min(times[engines[0].name]), 3),
             minipaged_speedup_median=round(median / statistics.median(times[engines[0].name]), 3),
+            best_cpu_s=round(min(cpu[engine.name]), 4),
+            median_cpu_s=round(statistics.median(cpu[engine.name]), 4),
+            minipaged_cpu_speedup_median=round(statistics.median(cpu[engine.name]) / ours_cpu, 3),
             cache_reserved_bytes=reserved, cache_used_bytes=used,
             answers_equal=f"{sum(a == b for a, b in zip(tokens, ours_tokens))}/{len(tokens)}"))
     return rows
@@ -185,7 +194,8 @@ def main() -> None:
     for row in rows:
         print(f"{row['threads']} thr  {row['engine']:42} best {row['best_tokens_per_s']:8,.0f} "
               f"median {row['median_tokens_per_s']:8,.0f} tok/s  minipaged x"
-              f"{row['minipaged_speedup_median']:.2f} (median)  cache reserved "
+              f"{row['minipaged_speedup_median']:.2f} (median; CPU time x"
+              f"{row['minipaged_cpu_speedup_median']:.2f})  cache reserved "
               f"{row['cache_reserved_bytes'] / 2**20:7.1f} MiB, used "
               f"{row['cache_used_bytes'] / 2**20:6.1f} MiB  answers {row['answers_equal']}")
     print(f"measured in {time.perf_counter() - start:.0f} s")
