@@ -444,6 +444,7 @@ def mixed_batches(draw):
     return contexts, queries
 
 
+@pytest.mark.heavy
 @settings(max_examples=60, deadline=None)
 @given(batch=mixed_batches(), block_size=st.sampled_from([1, 2, 4, 8, 16, 32, 64]),
        heads=st.sampled_from([(1, 1), (1, 4), (2, 7), (3, 2), (4, 1)]),
