@@ -1,47 +1,67 @@
-"""minipaged against transformers' generate on one mixed-length batch: speed and cache held.
+"""minipaged's engine against transformers' generate on one mixed-length workload, on a CPU.
 
-The same random Qwen2-geometry model (chapter 6's small preset, 2 layers; ``--layers`` to
-change) answers the same batch of prompts with lengths drawn from chapter 2's long-tailed mix
-(median 180, capped), greedy, a fixed number of new tokens each:
+One random Qwen2 with Qwen2.5-0.5B's attention geometry (chapter 6's small preset, 2 layers)
+answers 32 prompts of 8 to 249 tokens, each asking for 8 to 128 new tokens (lengths drawn with
+a fixed seed), greedy. The same weights run in every engine:
 
-* transformers' ``generate`` on the whole batch at once, left-padded to the longest prompt,
-  its cache a DynamicCache that grows to batch x (longest prompt + new tokens) positions;
-* minipaged's ``LLM.generate``, prompts unpadded, blocks of 16 taken as each sequence grows.
+* minipaged's ``LLM.generate``, with ``attention_backend="auto"`` (on a CPU, chapter 5's batched
+  path) and, for comparison, with chapter 4's per-sequence reference (``"torch"``);
+* transformers' ``Qwen2ForCausalLM.generate`` on the whole batch at once, left-padded to the
+  longest prompt and run until the longest answer is done, with its default attention (sdpa)
+  and with eager attention;
+* transformers' ``generate`` with sdpa, one prompt at a time, each for its own answer length.
 
-It reports output tokens per second for each and their ratio, and the bytes of KV cache each
-holds at its peak (transformers: the tensors of its cache after the last step; minipaged: the
-blocks in use at the busiest step). It also checks that the two agree on the greedy tokens of
-every prompt. Timings are reported, never asserted. The CSV goes to bench/results/engine.csv.
+Throughput counts the requested tokens only (the padded batch computes more, and that is its
+cost). Every engine runs once untimed, then ``--repeats`` times, interleaved, the order reversed
+on every other round so that a machine drifting slower or faster favours no one; the fastest and
+the median run are reported, at 1 and 2 threads (``torch.set_num_threads``), by the wall clock
+and by the process's CPU time. On a shared machine the wall clock also counts the time other
+jobs held the cores; CPU time counts only what the process itself spent (summed over its
+threads, so at 2 threads it measures work, not latency).
 
-    python bench/engine.py            # 32 prompts, 64 new tokens
-    python bench/engine.py --quick    # 8 prompts, 16 new tokens, to check the script runs
+Cache bytes: for minipaged, *reserved* is the KV tensors the engine allocated and *used* the
+most blocks in use at once times the bytes of a block; for transformers, the tensors of its cache
+when the batch ends (the padded batch's cache holds batch x (longest prompt + longest answer)
+positions; one prompt at a time, the largest single cache). Every engine's greedy answers are
+compared with minipaged's. Timings are reported, never asserted.
+
+    python bench/engine.py             # the full run that bench/results/engine.csv holds
+    python bench/engine.py --quick     # 1 repeat, to check that the script runs
 """
 from __future__ import annotations
 
 import argparse
 import csv
+import statistics
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
+import transformers
 
 from minipaged import LLM, SamplingParams
 from minipaged.huggingface import to_transformers
 from minipaged.model import ModelConfig, random_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
+FIELDS = ["threads", "engine", "repeats", "requested_tokens", "best_s", "median_s",
+          "best_tokens_per_s", "median_tokens_per_s", "minipaged_speedup_best",
+          "minipaged_speedup_median", "best_cpu_s", "median_cpu_s", "minipaged_cpu_speedup_median",
+          "cache_reserved_bytes", "cache_used_bytes", "answers_equal"]
 
 
-def prompt_lengths(num: int, cap: int, seed: int = 0) -> list[int]:
-    """Lognormal lengths with chapter 2's median (180) and mean (260), clipped to [1, cap]."""
-    sigma = np.sqrt(2 * np.log(260 / 180))
+def workload(vocab_size: int, num_prompts: int = 32, seed: int = 0):
+    """Prompts of 8-249 random tokens and answer lengths of 8-128, fixed by the seed."""
     rng = np.random.default_rng(seed)
-    return np.clip(rng.lognormal(np.log(180), sigma, num).round(), 1, cap).astype(int).tolist()
+    lengths = rng.integers(8, 250, num_prompts).tolist()
+    answers = rng.integers(8, 129, num_prompts).tolist()
+    prompts = [rng.integers(1, vocab_size, n).tolist() for n in lengths]
+    return prompts, answers
 
 
 def cache_bytes(past_key_values) -> int:
-    """Bytes held by the tensors of a transformers cache."""
+    """Bytes held by the key and value tensors of a transformers cache."""
     total = 0
     for layer in getattr(past_key_values, "layers", []):
         for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
@@ -50,66 +70,141 @@ def cache_bytes(past_key_values) -> int:
     return total
 
 
+class Minipaged:
+    """minipaged's LLM on the workload; answers and cache bytes from its last run."""
+
+    def __init__(self, name, model, prompts, answers):
+        self.name, self.prompts = name, [{"prompt_token_ids": p} for p in prompts]
+        self.params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+                       for n in answers]
+        self.llm = LLM(model=model, max_model_len=model.config.max_position_embeddings,
+                       enable_prefix_caching=False)  # no prefix cache: random prompts share none
+
+    def run(self):
+        outputs = self.llm.generate(self.prompts, self.params, use_tqdm=False)
+        engine = self.llm.llm_engine
+        per_token = engine.config.model_shape(engine.kv_cache.layers[0].element_size())
+        used = engine.stats()["peak_num_used_blocks"] * engine.pool.block_size
+        return ([o.outputs[0].token_ids for o in outputs], engine.kv_cache.num_bytes,
+                used * per_token.kv_bytes_per_token)
+
+
+class PaddedBatch:
+    """transformers' generate on the whole batch, left-padded, until the longest answer ends."""
+
+    def __init__(self, name, peer, prompts, answers):
+        self.name, self.peer, self.answers = name, peer, answers
+        longest = max(len(p) for p in prompts)
+        self.ids = torch.zeros(len(prompts), longest, dtype=torch.long)
+        self.mask = torch.zeros_like(self.ids)
+        for row, prompt in enumerate(prompts):  # left padding, as batched generation needs
+            self.ids[row, longest - len(prompt):] = torch.tensor(prompt)
+            self.mask[row, longest - len(prompt):] = 1
+
+    @torch.no_grad()
+    def run(self):
+        out = self.peer.generate(self.ids, attention_mask=self.mask, do_sample=False,
+                                 max_new_tokens=max(self.answers), eos_token_id=None,
+                                 pad_token_id=0, return_dict_in_generate=True)
+        new = out.sequences[:, self.ids.shape[1]:].tolist()
+        held = cache_bytes(out.past_key_values)
+        return [row[:n] for row, n in zip(new, self.answers)], held, held
+
+
+class OneAtATime:
+    """transformers' generate on each prompt alone, for its own answer length."""
+
+    def __init__(self, name, peer, prompts, answers):
+        self.name, self.peer, self.prompts, self.answers = name, peer, prompts, answers
+
+    @torch.no_grad()
+    def run(self):
+        tokens, largest = [], 0
+        for prompt, n in zip(self.prompts, self.answers):
+            out = self.peer.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n,
+                                     eos_token_id=None, pad_token_id=0,
+                                     return_dict_in_generate=True)
+            tokens.append(out.sequences[0, len(prompt):].tolist())
+            largest = max(largest, cache_bytes(out.past_key_values))
+        return tokens, largest, largest
+
+
+def measure(engines, repeats: int, threads: int, requested: int) -> list[dict]:
+    """Warm up, then time every engine `repeats` times, interleaved, alternating the order."""
+    torch.set_num_threads(threads)
+    results = {e.name: e.run() for e in engines}  # warm-up; answers and cache bytes
+    times = {e.name: [] for e in engines}
+    cpu = {e.name: [] for e in engines}
+    for round_ in range(repeats):
+        for engine in engines if round_ % 2 == 0 else engines[::-1]:
+            start, cpu_start = time.perf_counter(), time.process_time()
+            engine.run()
+            times[engine.name].append(time.perf_counter() - start)
+            cpu[engine.name].append(time.process_time() - cpu_start)
+        print(f"  {threads} thread(s), round {round_ + 1}/{repeats}: "
+              + ", ".join(f"{n} {t[-1]:.2f}s" for n, t in times.items()), flush=True)
+    ours_tokens = results[engines[0].name][0]
+    ours_cpu = statistics.median(cpu[engines[0].name])
+    rows = []
+    for engine in engines:
+        tokens, reserved, used = results[engine.name]
+        best, median = min(times[engine.name]), statistics.median(times[engine.name])
+        rows.append(dict(
+            threads=threads, engine=engine.name, repeats=repeats, requested_tokens=requested,
+            best_s=round(best, 4), median_s=round(median, 4),
+            best_tokens_per_s=round(requested / best, 1),
+            median_tokens_per_s=round(requested / median, 1),
+            minipaged_speedup_best=round(best / min(times[engines[0].name]), 3),
+            minipaged_speedup_median=round(median / statistics.median(times[engines[0].name]), 3),
+            best_cpu_s=round(min(cpu[engine.name]), 4),
+            median_cpu_s=round(statistics.median(cpu[engine.name]), 4),
+            minipaged_cpu_speedup_median=round(statistics.median(cpu[engine.name]) / ours_cpu, 3),
+            cache_reserved_bytes=reserved, cache_used_bytes=used,
+            answers_equal=f"{sum(a == b for a, b in zip(tokens, ours_tokens))}/{len(tokens)}"))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--quick", action="store_true", help="1 repeat, 1 thread, no CSV")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    num_prompts, new_tokens = (8, 16) if args.quick else (32, 64)
-    config = ModelConfig.small(num_layers=args.layers)
-    model = random_model(config, seed=0)
-    peer = to_transformers(model)
-    lengths = prompt_lengths(num_prompts, cap=config.max_position_embeddings // 2 - new_tokens)
-    rng = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(1, config.vocab_size, (n,), generator=rng).tolist() for n in lengths]
-
-    longest = max(lengths)
-    ids = torch.zeros(num_prompts, longest, dtype=torch.long)
-    mask = torch.zeros(num_prompts, longest, dtype=torch.long)
-    for row, prompt in enumerate(prompts):  # left padding, as batched generation needs
-        ids[row, longest - len(prompt):] = torch.tensor(prompt)
-        mask[row, longest - len(prompt):] = 1
+    transformers.logging.set_verbosity_error()  # generate's per-call notices
+    repeats, threads = (1, [1]) if args.quick else (args.repeats, args.threads)
+    config = ModelConfig.small(num_layers=2)
+    model = random_model(config, seed=0)  # attention_backend "auto": the batched path on a CPU
+    reference = random_model(config, seed=0, attention_backend="torch")  # the same weights
+    prompts, answers = workload(config.vocab_size)
+    requested = sum(answers)
+    engines = [Minipaged("minipaged", model, prompts, answers),
+               Minipaged("minipaged, reference attention", reference, prompts, answers),
+               PaddedBatch("transformers padded batch, sdpa", to_transformers(model, "sdpa"),
+                           prompts, answers),
+               PaddedBatch("transformers padded batch, eager", to_transformers(model, "eager"),
+                           prompts, answers),
+               OneAtATime("transformers one prompt at a time, sdpa",
+                          to_transformers(model, "sdpa"), prompts, answers)]
+    lengths = [len(p) for p in prompts]
+    print(f"{len(prompts)} prompts of {min(lengths)}-{max(lengths)} tokens, answers of "
+          f"{min(answers)}-{max(answers)} tokens ({requested} requested), greedy; "
+          f"{repeats} repeats at {threads} thread(s)")
     start = time.perf_counter()
-    hf = peer.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
-                       eos_token_id=None, pad_token_id=0, return_dict_in_generate=True)
-    hf_seconds = time.perf_counter() - start
-    hf_tokens = hf.sequences[:, longest:].tolist()
-    cache = getattr(hf, "cache", None)
-    hf_cache = cache_bytes(cache if cache is not None else hf.past_key_values)
-
-    llm = LLM(model=model, max_model_len=config.max_position_embeddings,
-              enable_prefix_caching=False)  # the engine without chapter 8's cache
-    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-    start = time.perf_counter()
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    ours_seconds = time.perf_counter() - start
-    stats = llm.llm_engine.stats()
-    per_token = config.model_shape(4).kv_bytes_per_token
-    ours_cache = stats["peak_num_used_blocks"] * llm.llm_engine.pool.block_size * per_token
-    agree = sum(o.outputs[0].token_ids == t for o, t in zip(outputs, hf_tokens))
-
-    total = num_prompts * new_tokens
-    rows = [dict(engine="transformers generate (padded)", prompts=num_prompts,
-                 new_tokens=new_tokens, seconds=round(hf_seconds, 3),
-                 output_tokens_per_s=round(total / hf_seconds, 1), peak_cache_bytes=hf_cache),
-            dict(engine="minipaged LLM.generate", prompts=num_prompts, new_tokens=new_tokens,
-                 seconds=round(ours_seconds, 3), output_tokens_per_s=round(total / ours_seconds, 1),
-                 peak_cache_bytes=ours_cache)]
-    RESULTS.mkdir(exist_ok=True)
-    with open(RESULTS / "engine.csv", "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    print(f"{num_prompts} prompts of {min(lengths)}..{longest} tokens (mean "
-          f"{np.mean(lengths):.0f}), {new_tokens} new tokens each, {args.threads} thread(s)")
+    rows = [row for n in threads for row in measure(engines, repeats, n, requested)]
     for row in rows:
-        print(f"{row['engine']:32} {row['output_tokens_per_s']:9,.1f} tok/s  "
-              f"peak cache {row['peak_cache_bytes'] / 2**20:8.2f} MiB")
-    print(f"minipaged / transformers: speed {hf_seconds / ours_seconds:.2f}x, "
-          f"cache {ours_cache / hf_cache:.2f}x; greedy answers agree on {agree}/{num_prompts} "
-          f"prompts (padding changes transformers' arithmetic slightly)")
+        print(f"{row['threads']} thr  {row['engine']:42} best {row['best_tokens_per_s']:8,.0f} "
+              f"median {row['median_tokens_per_s']:8,.0f} tok/s  minipaged x"
+              f"{row['minipaged_speedup_median']:.2f} (median; CPU time x"
+              f"{row['minipaged_cpu_speedup_median']:.2f})  cache reserved "
+              f"{row['cache_reserved_bytes'] / 2**20:7.1f} MiB, used "
+              f"{row['cache_used_bytes'] / 2**20:6.1f} MiB  answers {row['answers_equal']}")
+    print(f"measured in {time.perf_counter() - start:.0f} s")
+    if not args.quick:
+        RESULTS.mkdir(exist_ok=True)
+        with open(RESULTS / "engine.csv", "w", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=FIELDS)
+            writer.writeheader()
+            writer.writerows(rows)
 
 
 if __name__ == "__main__":

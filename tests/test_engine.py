@@ -13,6 +13,7 @@ from hypothesis import assume, event, given, settings
 from hypothesis import strategies as st
 
 import minipaged.engine
+import minipaged.kernels
 import minipaged.scheduler
 from minipaged import LLM, SamplingParams
 from minipaged.engine import BAD_GENERATE_ARGUMENTS, BAD_LLM_OPTIONS
@@ -85,6 +86,20 @@ def test_triton_interpreter_gives_the_torch_tokens(model, prompts):
     triton_out = LLM(model=triton_model, max_model_len=128).generate(few, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in torch_out] == [
         o.outputs[0].token_ids for o in triton_out]
+
+
+@pytest.mark.heavy
+def test_the_batched_cpu_path_gives_the_reference_tokens(model, prompts):
+    """auto on a CPU is chapter 5's batched path; with a small budget every step mixes chunks
+    of prompts with decodes, and the tokens are those of chapter 4's reference attention."""
+    assert minipaged.kernels.resolve_backend(model.attention_backend,
+                                             next(model.parameters())) == "batched"
+    reference = random_model(model.config, seed=0, attention_backend="torch")
+    batch = [{"prompt_token_ids": p} for p in prompts]
+    outputs = {name: LLM(model=m, max_model_len=128, max_num_batched_tokens=16).generate(
+        batch, GREEDY, use_tqdm=False) for name, m in (("batched", model), ("torch", reference))}
+    assert [o.outputs[0].token_ids for o in outputs["batched"]] == [
+        o.outputs[0].token_ids for o in outputs["torch"]]
 
 
 def test_seeded_sampling_survives_preemption(model, prompts):
@@ -380,7 +395,7 @@ INVALID_OPTIONS = {
                            st.lists(st.integers(), max_size=2)),
     "enable_prefix_caching": st.one_of(st.none(), st.integers(), st.floats(), st.text(max_size=3)),
     "attention_backend": st.one_of(st.none(), st.integers(), st.text(max_size=8).filter(
-        lambda b: b not in ("auto", "torch", "triton"))),
+        lambda b: b not in ("auto", "torch", "batched", "triton"))),
 }
 
 

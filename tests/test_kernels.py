@@ -62,13 +62,6 @@ def test_check_block_size_names_the_block_size(block_size):
         check_block_size(block_size)
 
 
-def test_auto_backend_on_cpu_is_the_reference_exactly():
-    query, layer, tables, seq_lens, starts, _ = make_batch([5, 40], [5, 1], 16,
-                                                           dtype=torch.float32)
-    expected = reference_paged_attention(query, layer, tables, seq_lens, starts)
-    assert torch.equal(paged_attention(query, layer, tables, seq_lens, starts), expected)
-
-
 def test_unknown_backend_and_lookup_are_refused():
     query, layer, tables, seq_lens, starts, _ = make_batch([5], [1], 4)
     with pytest.raises(ValueError, match="backend"):
@@ -408,3 +401,115 @@ def test_programs_per_sm_by_hand():
     assert K.programs_per_sm(75, 255, 0, 4) == 2  # 256 registers a thread after rounding
     assert K.programs_per_sm(75, 32, 48 * 1024, 4) == 1  # shared memory binds
     assert K.programs_per_sm(80, 64, 20 * 1024, 4) == 7  # 164 KiB / (20 + 1 reserved) KiB
+
+
+# ---- the batched CPU path against the reference ----
+
+from hypothesis import assume, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from minipaged.kernels import (  # noqa: E402
+    batched_paged_attention,
+    plan_batched_attention,
+    resolve_backend,
+)
+
+
+def test_backends_name_the_reference_and_the_batched_path():
+    assert resolve_backend("auto", torch.zeros(1)) == "batched"
+    assert resolve_backend("torch", torch.zeros(1)) == "torch"
+    query, layer, tables, seq_lens, starts, _ = make_batch([5, 40], [5, 1], 16,
+                                                           dtype=torch.float32)
+    expected = reference_paged_attention(query, layer, tables, seq_lens, starts)
+    torch_out = paged_attention(query, layer, tables, seq_lens, starts, backend="torch")
+    assert torch.equal(torch_out, expected)  # "torch" is chapter 4's reference, exactly
+    auto = paged_attention(query, layer, tables, seq_lens, starts)
+    assert torch.equal(auto, paged_attention(query, layer, tables, seq_lens, starts,
+                                             backend="batched"))
+    assert_close(auto, expected, torch.float32)
+
+
+@st.composite
+def mixed_batches(draw):
+    """Sequences that decode, prefill, extend a cached context, or bring no token at all."""
+    num_seqs = draw(st.integers(1, 6))
+    contexts, queries = [], []
+    for _ in range(num_seqs):
+        kind = draw(st.sampled_from(["decode", "prefill", "extend", "idle"]))
+        context = draw(st.integers(1, 70))
+        query = {"decode": 1, "prefill": context, "idle": 0,
+                 "extend": draw(st.integers(1, context))}[kind]
+        contexts.append(context)
+        queries.append(query)
+    return contexts, queries
+
+
+@pytest.mark.heavy
+@settings(max_examples=60, deadline=None)
+@given(batch=mixed_batches(), block_size=st.sampled_from([1, 2, 4, 8, 16, 32, 64]),
+       heads=st.sampled_from([(1, 1), (1, 4), (2, 7), (3, 2), (4, 1)]),
+       head_dim=st.sampled_from([8, 16, 64]), seed=st.integers(0, 2**16))
+def test_batched_matches_the_reference_on_any_mixed_batch(batch, block_size, heads, head_dim,
+                                                          seed):
+    (contexts, queries), (num_kv_heads, group) = batch, heads
+    assume(sum(queries) > 0)  # a step computes at least one token
+    query, layer, tables, seq_lens, starts, _ = make_batch(
+        contexts, queries, block_size, num_kv_heads, group, head_dim, torch.float32, seed)
+    expected = reference_paged_attention(query, layer, tables, seq_lens, starts, scale=0.3)
+    out = paged_attention(query, layer, tables, seq_lens, starts, scale=0.3, backend="batched")
+    assert_close(out, expected, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_batched_keeps_the_query_dtype_and_computes_in_fp32(dtype):
+    query, layer, tables, seq_lens, starts, _ = make_batch([40, 123, 67, 90], [40, 23, 3, 1], 8,
+                                                           dtype=dtype)
+    out = paged_attention(query, layer, tables, seq_lens, starts, backend="batched")
+    assert out.dtype == dtype
+    assert_close(out, reference_paged_attention(query, layer, tables, seq_lens, starts), dtype)
+
+
+def test_plan_groups_decodes_together_and_longer_queries_by_powers_of_two():
+    query_lens = [1, 5, 1, 3, 8, 1, 2, 0]
+    contexts = [10, 5, 30, 9, 8, 2, 40, 7]
+    _, _, tables, seq_lens, starts, _ = make_batch(contexts, query_lens, 4)
+    plan = plan_batched_attention(tables, seq_lens, starts, block_size=4)
+    members = [sorted(query_lens[s] for s in _group_seqs(g, starts)) for g in plan.groups]
+    assert members == [[1, 1, 1], [2], [3], [5, 8]]  # the idle sequence is in no group
+    for group in plan.groups:
+        rows = group.tokens[group.valid]
+        assert rows.numel() == rows.unique().numel()  # every real token once
+    assert sum(int(g.valid.sum()) for g in plan.groups) == sum(query_lens)
+
+
+def _group_seqs(group, starts):
+    """The sequences of a group, found from the first token of each of its rows."""
+    return [int(torch.searchsorted(starts, group.tokens[i, 0], right=True)) - 1
+            for i in range(group.tokens.shape[0])]
+
+
+def test_a_plan_serves_every_layer_of_the_step():
+    query, layer, tables, seq_lens, starts, _ = make_batch([40, 123, 67, 90], [40, 23, 3, 1], 8,
+                                                           dtype=torch.float32)
+    plan = plan_batched_attention(tables, seq_lens, starts, block_size=8)
+    other_layer = torch.randn_like(layer)
+    for cache in (layer, other_layer):
+        expected = reference_paged_attention(query, cache, tables, seq_lens, starts)
+        assert_close(batched_paged_attention(query, cache, plan), expected, torch.float32)
+
+
+@pytest.mark.parametrize("case", ["block past the pool", "too few heads", "short table"])
+def test_batched_refuses_what_it_cannot_read(case):
+    query, layer, tables, seq_lens, starts, _ = make_batch([5, 40], [5, 1], 16,
+                                                           dtype=torch.float32)
+    if case == "block past the pool":
+        tables[1, 0] = layer.shape[0]
+        match = "block_tables"
+    elif case == "too few heads":
+        query = query[:, :3]
+        match = "heads"
+    else:
+        tables = tables[:, :1]
+        match = "block_tables"
+    with pytest.raises(ValueError, match=match):
+        paged_attention(query, layer, tables, seq_lens, starts, backend="batched")

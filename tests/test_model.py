@@ -674,3 +674,63 @@ def test_top2_margin_is_the_gap_between_transformers_two_best_logits(model, peer
     prompt = make_prompts([37], config.vocab_size, seed=3)[0]
     best = reference_logits(peer, prompt)[-1].topk(2).values
     assert top2_margin(model, prompt) == pytest.approx(float(best[0] - best[1]), abs=1e-4)
+
+
+# --- the batched CPU path (chapter 5), what "auto" runs on a CPU --------------------------------
+
+@pytest.fixture(scope="module")
+def batched_model(config) -> Qwen2ForCausalLM:
+    return random_model(config, seed=3, attention_backend="batched")  # the weights of `model`
+
+
+def test_auto_on_a_cpu_is_the_batched_path(config):
+    tiny = random_model(config, seed=3)
+    assert tiny.attention_backend == "auto"
+    assert minipaged.kernels.resolve_backend("auto", torch.zeros(1)) == "batched"
+
+
+@pytest.mark.parametrize("chunks", [
+    [[3], [17], [30]],  # three prefills in one step
+    pytest.param([[1] * 3, [1] * 17, [1] * 30], marks=pytest.mark.heavy),  # decodes batched
+    [[2, 1], [10, 7], [5, 5, 5, 15]],  # prefills, chunks and decodes mixed in each step
+], ids=["prefill", "decode", "mixed"])
+def test_batched_model_matches_transformers(batched_model, peer, config, chunks):
+    prompts = make_prompts(LENGTHS, config.vocab_size, seed=7)
+    tables, num_blocks = scattered_tables(LENGTHS, seed=7)
+    outputs = run_schedule(batched_model, prompts, tables, num_blocks, chunks)
+    for prompt, logits in zip(prompts, outputs):
+        torch.testing.assert_close(logits, reference_logits(peer, prompt), atol=TOLERANCE, rtol=0)
+
+
+@pytest.mark.heavy
+@settings(max_examples=10, deadline=None)
+@given(st.lists(st.lists(st.integers(1, 9), min_size=1, max_size=5), min_size=1, max_size=4),
+       st.integers(0, 1000))
+def test_batched_model_equals_the_reference_model_under_any_schedule(model, batched_model,
+                                                                      config, chunks, seed):
+    lengths = [sum(c) for c in chunks]
+    prompts = make_prompts(lengths, config.vocab_size, seed=seed)
+    tables, num_blocks = scattered_tables(lengths, seed=seed)
+    ours = run_schedule(batched_model, prompts, tables, num_blocks, chunks)
+    reference = run_schedule(model, prompts, tables, num_blocks, chunks)
+    for a, b in zip(ours, reference):
+        torch.testing.assert_close(a, b, atol=TOLERANCE, rtol=0)
+
+
+def test_batched_model_plans_once_per_step_and_layers_trust_it(batched_model, config,
+                                                              monkeypatch):
+    """Two layers, one plan per step; the checked step is not checked again in the layers."""
+    plans = []
+    original = minipaged.model.plan_batched_attention
+    monkeypatch.setattr(minipaged.model, "plan_batched_attention",
+                        lambda *args: plans.append(args) or original(*args))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a layer checked its inputs again")
+
+    monkeypatch.setattr(minipaged.kernels, "_check_batched_inputs", refuse)
+    monkeypatch.setattr(minipaged.kernels, "plan_batched_attention", refuse)
+    prompts = make_prompts([6, 3], config.vocab_size, seed=13)
+    tables, num_blocks = scattered_tables([6, 4], seed=13)
+    run_schedule(batched_model, prompts, tables, num_blocks, [[6], [2, 1]])
+    assert len(plans) == 2  # two steps
