@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from minipaged.fragmentation import (
-    SEED_POOL_TOKENS,
+    STUDY_POOL_TOKENS,
     BlockAllocator,
     ExactFit,
     MaxLengthReservation,
@@ -48,19 +48,19 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS / "fragmentation.csv")
     args = parser.parse_args()
     sizes = (10_000,) if args.quick else (10_000, 100_000, 1_000_000)
-    rate = arrival_rate_for_load(args.load, SEED_POOL_TOKENS)
+    rate = arrival_rate_for_load(args.load, STUDY_POOL_TOKENS)
     rows = []
     for num_requests in sizes:
         start = time.perf_counter()
         trace = make_workload(num_requests, rate, seed=0)
         trace_seconds = time.perf_counter() - start
-        for allocator in allocators(SEED_POOL_TOKENS):
+        for allocator in allocators(STUDY_POOL_TOKENS):
             start = time.perf_counter()
             result = simulate(trace, allocator)  # refusals over the whole trace, warm-up included
             seconds = time.perf_counter() - start
             rows.append({
                 "allocator": allocator.name, "num_requests": num_requests, "load": args.load,
-                "pool_tokens": SEED_POOL_TOKENS, "seconds": round(seconds, 4),
+                "pool_tokens": STUDY_POOL_TOKENS, "seconds": round(seconds, 4),
                 "requests_per_s": round(num_requests / seconds),
                 "us_per_request": round(1e6 * seconds / num_requests, 2),
                 "refusal_rate": round(result.refusal_rate, 5),
@@ -75,7 +75,7 @@ def main() -> None:
         writer = csv.DictWriter(handle, fieldnames=FIELDS)
         writer.writeheader()
         writer.writerows(rows)
-    print(f"\nload {args.load}, pool {SEED_POOL_TOKENS:,} tokens; wrote {args.out}")
+    print(f"\nload {args.load}, pool {STUDY_POOL_TOKENS:,} tokens; wrote {args.out}")
     print(f"{'allocator':18}" + "".join(f"{n:>14,}" for n in sizes) + "   (us per request)")
     for name in dict.fromkeys(row["allocator"] for row in rows):
         cells = [row["us_per_request"] for row in rows if row["allocator"] == name]

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minipaged.fragmentation import (
-    SEED_POOL_TOKENS,
+    STUDY_POOL_TOKENS,
     Allocator,
     BlockAllocator,
     ExactFit,
@@ -547,15 +547,15 @@ def test_erlang_b_known_values():
 def test_reservations_refuse_as_erlang_predicts():
     """The reservation allocator is a loss system with pool // max_model_len servers."""
     load = 0.3
-    rate = arrival_rate_for_load(load, SEED_POOL_TOKENS)
+    rate = arrival_rate_for_load(load, STUDY_POOL_TOKENS)
     trace = make_workload(int(rate * 300), rate, seed=9)
-    result = simulate(trace, MaxLengthReservation(SEED_POOL_TOKENS), warmup=35.0)
+    result = simulate(trace, MaxLengthReservation(STUDY_POOL_TOKENS), warmup=35.0)
     offered = rate * workload_moments()[0]
-    refused = erlang_b(SEED_POOL_TOKENS // 2048, offered)
+    refused = erlang_b(STUDY_POOL_TOKENS // 2048, offered)
     assert result.refusal_rate == pytest.approx(refused, abs=0.02)
     # Little's law on the admitted requests: A (1 - B) reservations live on average.
     held = 1 - pool_shares(result)["free"]
-    assert held == pytest.approx(offered * (1 - refused) * 2048 / SEED_POOL_TOKENS, abs=0.01)
+    assert held == pytest.approx(offered * (1 - refused) * 2048 / STUDY_POOL_TOKENS, abs=0.01)
     assert pool_shares(result)["written"] + pool_shares(result)["not yet written"] == (
         pytest.approx(load * (1 - result.refusal_rate), abs=0.02))
 
@@ -564,10 +564,10 @@ def test_reservations_refuse_as_erlang_predicts():
 def test_the_seed_shape_on_the_seed_pool():
     """Moderate load: only reservations refuse. High load: exact fit refuses with room to spare."""
     for load, expect in ((0.28, "moderate"), (1.0, "high")):
-        rate = arrival_rate_for_load(load, SEED_POOL_TOKENS)
+        rate = arrival_rate_for_load(load, STUDY_POOL_TOKENS)
         trace = make_workload(int(rate * 150), rate, seed=0)
         results = {a.name: simulate(trace, a, warmup=35.0)
-                   for a in three_allocators(SEED_POOL_TOKENS)}
+                   for a in three_allocators(STUDY_POOL_TOKENS)}
         if expect == "moderate":
             assert results["reservation"].refusal_rate > 0.05
             assert results["exact fit"].refusal_rate == 0 == results["blocks"].refusal_rate
@@ -577,7 +577,7 @@ def test_the_seed_shape_on_the_seed_pool():
             assert exact.external_refusals == int(np.sum(exact.counted_refusals))
             assert blocks.external_refusals == 0
             assert np.max(exact.refusal_occupancy) < 0.97
-            assert np.min(blocks.refusal_occupancy) > 1 - 2048 / SEED_POOL_TOKENS
+            assert np.min(blocks.refusal_occupancy) > 1 - 2048 / STUDY_POOL_TOKENS
 
 
 # ---------------------------------------------------------------- bad input, the whole catalogue
