@@ -140,3 +140,17 @@ def test_a_decode_step_moves_the_weights_whatever_paging_does():
     assert step["block table"] == 2048 * 2 * 24 * 4  # chapter 4's count of table reads
     with pytest.raises(ValueError, match="batch"):
         decode_step_bytes(QWEN2_5_0_5B, 0, 2048)
+
+
+def test_derived_rows_say_so_and_worded_rows_show_the_studys_words(tmp_path):
+    record(tmp_path, "01_kv_memory", {"start_to_start_blocks": 52})
+    record(tmp_path, "03_block_pool", {"all_tables_kib": 226.5})
+    rows = {row["figure"].name: row for row in reproduction_rows(directory=tmp_path,
+                                                                 root=tmp_path)}
+    # arithmetic on the study's own figures is never called a reproduction
+    assert rows["start_to_start_blocks"]["verdict"].startswith("derived, not measured: ")
+    assert rows["all_tables_kib"]["verdict"] == "reproduced"
+    table = reproduction_table([rows["all_tables_kib"]])
+    assert "“a few hundred kilobytes”" in table and ">300 KiB<" not in table
+    cells = re.findall(r"<td[^>]*>([^<]*)</td>", table)
+    assert cells[4] == "—"  # no ratio against a number the study never printed
