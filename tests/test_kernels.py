@@ -482,6 +482,23 @@ def test_plan_groups_decodes_together_and_longer_queries_by_powers_of_two():
     assert sum(int(g.valid.sum()) for g in plan.groups) == sum(query_lens)
 
 
+def test_plan_splits_decodes_by_context_and_gives_whole_prompts_the_causal_flag():
+    contexts = [30 + 23 * i for i in range(20)][::-1] + [12, 200, 40, 50, 60]
+    query_lens = [1] * 20 + [12, 16, 40, 50, 60]
+    query, layer, tables, seq_lens, starts, _ = make_batch(contexts, query_lens, 16,
+                                                           dtype=torch.float32)
+    plan = plan_batched_attention(tables, seq_lens, starts, block_size=16)
+    seqs = [_group_seqs(g, starts) for g in plan.groups]
+    assert seqs[0] == sorted(range(10, 20), key=contexts.__getitem__)  # the 10 shortest
+    assert seqs[1] == sorted(range(10), key=contexts.__getitem__)
+    assert sorted(map(sorted, seqs[2:])) == [[20], [21], [22, 23, 24]]
+    for group, members in zip(plan.groups, seqs):
+        fresh = all(contexts[s] == query_lens[s] > 1 for s in members)
+        assert group.causal == fresh and (group.mask is None) == fresh
+    expected = reference_paged_attention(query, layer, tables, seq_lens, starts)
+    assert_close(batched_paged_attention(query, layer, plan), expected, torch.float32)
+
+
 def _group_seqs(group, starts):
     """The sequences of a group, found from the first token of each of its rows."""
     return [int(torch.searchsorted(starts, group.tokens[i, 0], right=True)) - 1
