@@ -9,7 +9,6 @@ construction it never reached), on small notebooks written for the purpose.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -22,11 +21,10 @@ CHAPTERS = sorted((ROOT / "chapters").glob("[0-9][0-9]_*.ipynb"))
 
 @pytest.fixture(scope="module")
 def t4_ledger():
-    spec = importlib.util.spec_from_file_location("t4_ledger", ROOT / "tools" / "t4_ledger.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["t4_ledger"] = module
-    spec.loader.exec_module(module)
-    return module
+    sys.path.insert(0, str(ROOT / "bench"))
+    from t4_estimate import load_ledger  # the one loader of tools/t4_ledger.py
+
+    return load_ledger()
 
 
 @pytest.fixture(scope="module")
