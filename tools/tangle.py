@@ -13,7 +13,12 @@ names it and records a hash of the body, and each exported block in it is preced
 comment giving the chapter line it came from (``# chapters/01_kv_memory.md:60``). Next to every
 chapter sits an ``.ipynb`` twin without outputs (for Colab, which opens it on a T4, and nbval).
 
-    python tools/tangle.py          # write minipaged/*.py, the .ipynb twins and book/api.md;
+The repository's address is written once, in ``_config.yml`` (``repository.url``). Every chapter's
+first code cell installs the package from it: tangle rewrites each address that cell names (the
+install line and its error message) to that one, so a fork sets its address there and tangles.
+
+    python tools/tangle.py          # write minipaged/*.py, the .ipynb twins and book/api.md,
+                                    # and each chapter's install address from _config.yml;
                                     # refuses to overwrite a module edited by hand
     python tools/tangle.py --check  # exit 1 when a file differs from a fresh tangle; prints the
                                     # diff and the chapter line of each differing block
@@ -38,6 +43,7 @@ MODULE_NAME = re.compile(r"^[a-z_][a-z0-9_]*$")
 FENCE = re.compile(r"^(`{3,}|~{3,})\{code-cell\}")
 MARKER = re.compile(r"^# (chapters/\S+\.md):(\d+)$")
 BODY_HASH = re.compile(r"^# body sha256: ([0-9a-f]{16})\b")
+INSTALL_URL = re.compile(r"git\+([^\s\"'@]+)")  # the address a chapter's pip line installs from
 
 # The package's public surface: names re-exported by minipaged/__init__.py, module by module.
 PUBLIC = {"engine": ["LLM"], "sampling": ["SamplingParams"], "prefix_cache": [], "sharing": [],
@@ -191,9 +197,38 @@ def render_api_page(modules: dict[str, Module]) -> str:
 COLAB_METADATA = {"accelerator": "GPU", "colab": {"gpuType": "T4", "provenance": []}}
 
 
-def render_twin(chapter: Path) -> str:
-    """The chapter as an .ipynb without outputs, minus jupytext's own bookkeeping."""
-    notebook = jupytext.read(chapter)
+def repository_url() -> str | None:
+    """_config.yml's repository.url: the address every chapter installs from (None: no config)."""
+    import yaml  # a dependency of jupytext
+
+    config = ROOT / "_config.yml"
+    if not config.exists():
+        return None
+    return yaml.safe_load(config.read_text()).get("repository", {}).get("url")
+
+
+def with_install_url(text: str, url: str | None) -> str:
+    """A chapter's text whose first code cell installs from url: the address its pip line names
+    (``git+ADDRESS``) is replaced by url wherever that cell writes it."""
+    lines = text.split("\n")
+    fences = [n for n, line in enumerate(lines) if FENCE.match(line)]
+    if url is None or not fences:
+        return text
+    start = fences[0]
+    fence = FENCE.match(lines[start]).group(1)
+    end = next((n for n in range(start + 1, len(lines)) if lines[n].strip() == fence), len(lines))
+    cell = "\n".join(lines[start:end])
+    match = INSTALL_URL.search(cell)
+    if match is None or match.group(1) == url:
+        return text
+    lines[start:end] = cell.replace(match.group(1), url).split("\n")
+    return "\n".join(lines)
+
+
+def render_twin(chapter: Path, text: str) -> str:
+    """The chapter (text, its Markdown) as an .ipynb without outputs, minus jupytext's own
+    bookkeeping."""
+    notebook = jupytext.reads(text, fmt="md:myst")
     notebook.metadata.pop("jupytext", None)
     notebook.metadata.update(COLAB_METADATA)
     for number, cell in enumerate(notebook.cells):
@@ -211,8 +246,11 @@ def expected_files() -> dict[Path, str]:
     files = {ROOT / "minipaged" / f"{m.name}.py": render_module(m) for m in modules.values()}
     files[ROOT / "minipaged" / "__init__.py"] = render_init(modules)
     files[ROOT / "book" / "api.md"] = render_api_page(modules)
+    url = repository_url()
     for chapter in chapters:
-        files[chapter.with_suffix(".ipynb")] = render_twin(chapter)
+        text = with_install_url(chapter.read_text(), url)
+        files[chapter] = text  # itself, unless its install cell names another address
+        files[chapter.with_suffix(".ipynb")] = render_twin(chapter, text)
     return files
 
 
