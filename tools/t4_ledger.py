@@ -609,6 +609,8 @@ class Ledger(Walker):
             return value  # these keep the engine's cache alive
         if name == "model" and value.model is not None:
             return value.model
+        if name == "model" and value.config is not None:
+            return value  # transformers' decoder (model.model): the same weights, a forward
         if name == "config" and value.config is not None:
             return value.config
         if name in ("to", "eval", "half", "cuda"):
