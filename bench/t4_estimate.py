@@ -6,10 +6,13 @@ No GPU has run the chapters yet, so this script estimates, from things it can st
   passes (steps) and the prompt tokens it computes: ``llm.generate`` and ``llm.stream`` as
   prompt tokens in steps of ``max_num_batched_tokens``, then one step per generated token for
   each batch of ``max_num_seqs`` requests; a model or a transformers peer called directly, one
-  step per call or per new token. Steps added by preemption are not counted, nor requests whose
-  length the ledger cannot follow (the ``uncounted`` column).
+  step per call or per new token. Where a pool is too small for every request at once, the steps
+  are those of the book's own scheduler run over the requests' lengths, so preemption's extra
+  steps and the tokens it recomputes are counted (their own columns say how many). Requests whose
+  length the ledger cannot follow are not (the ``uncounted`` column).
 * **The card's floor.** Each step streams the weights once at the T4's 320 GB/s, and each prompt
-  token costs 2 x parameters FLOPs at its 65 TFLOP/s in fp16: the fastest the work could go.
+  token, and each token a preemption recomputes, costs 2 x parameters FLOPs at its 65 TFLOP/s in
+  fp16: the fastest the work could go.
 * **The host's cost.** The engine runs each step from Python: a step of a 24-layer model whose
   arithmetic is negligible (hidden size 64) is timed on this machine's CPU, one request,
   minimum of three runs. On a GPU the host does this much work or less per step, kernels
@@ -17,8 +20,10 @@ No GPU has run the chapters yet, so this script estimates, from things it can st
 * **Chapters without GPU work** (the simulations of chapters 2 and 3) are timed here, on this
   CPU, at full size (``--run-cpu-chapters``; MINIPAGED_SCALE=full), as Colab's CPU would run them.
 
-Not included: installing minipaged, downloading the checkpoint, Triton's first compilation of
-each kernel, and chapter 5's kernel timings (bench/gpu_check measures those on a GPU).
+Not included, and said so in each row's ``not counted`` column: installing minipaged,
+downloading the checkpoint, Triton's first compilation of each kernel variant a chapter launches
+(chapter 5 alone compiles some thirty; no GPU has timed a compilation yet), and chapter 5's
+kernel timings (bench/gpu_check measures those on a GPU).
 Writes bench/results/t4_estimate.csv; book/colab.md shows it.
 
     python bench/t4_estimate.py                     # CPU chapters' times kept from the last CSV
@@ -41,8 +46,14 @@ RESULTS = ROOT / "bench" / "results" / "t4_estimate.csv"
 T4_FP16_FLOPS = 65e12  # the T4's fp16 tensor-core peak
 T4_BYTES_PER_S = 320e9  # the T4's memory bandwidth
 CPU_CHAPTERS = ("02_fragmentation", "03_block_pool")
-FIELDS = ["chapter", "peak GiB on a T4 (ledger)", "steps", "prompt tokens", "uncounted requests",
-          "floor min", "host s/step", "estimate min", "how"]
+FIELDS = ["chapter", "peak GiB on a T4 (ledger)", "steps", "of which preemption",
+          "prompt tokens", "recomputed tokens", "uncounted requests", "floor min", "host s/step",
+          "estimate min", "how", "not counted"]
+GPU_SETUP = "install, checkpoint download, Triton compilation"  # what no row counts
+# What a row leaves out besides: chapters that never launch a kernel compile nothing.
+NOT_COUNTED = {"01_kv_memory": "install, checkpoint download (transformers runs no Triton kernel)",
+               "02_fragmentation": "install", "03_block_pool": "install",
+               "05_paged_attention": f"{GPU_SETUP} (about 30 kernel variants), kernel timings"}
 # What the ledger's count leaves out, where it is most of a chapter's time.
 NOTES = {"05_paged_attention": "kernel timings not counted: bench/gpu_check measures them"}
 
@@ -117,7 +128,7 @@ def main() -> None:
         work, chapter = result.work, notebook.stem
         parameters = work.weight_bytes / 2  # fp16
         floor = (work.steps * work.weight_bytes / T4_BYTES_PER_S
-                 + 2 * parameters * work.prompt_tokens / T4_FP16_FLOPS)
+                 + 2 * parameters * (work.prompt_tokens + work.recomputed_tokens) / T4_FP16_FLOPS)
         estimate, how = floor + work.steps * host, "floor + host cost per step"
         if chapter in CPU_CHAPTERS:
             seconds = (cpu_chapter_seconds(chapter) if args.run_cpu_chapters
@@ -128,12 +139,14 @@ def main() -> None:
         how = NOTES.get(chapter, how)
         peak = result.peak.total / 2**30 if result.peak else 0.0
         rows.append({"chapter": chapter, "peak GiB on a T4 (ledger)": f"{peak:.2f}",
-                     "steps": work.steps, "prompt tokens": work.prompt_tokens,
+                     "steps": work.steps, "of which preemption": work.preemption_steps,
+                     "prompt tokens": work.prompt_tokens,
+                     "recomputed tokens": work.recomputed_tokens,
                      "uncounted requests": work.unknown_requests,
                      "floor min": "" if floor != floor else f"{floor / 60:.2f}",
                      "host s/step": f"{host:.4f}" if work.steps else "",
                      "estimate min": f"{estimate / 60:.1f}" if estimate >= 6 else "< 0.1",
-                     "how": how})
+                     "how": how, "not counted": NOT_COUNTED.get(chapter, GPU_SETUP)})
         print(rows[-1])
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     with open(RESULTS, "w", newline="") as handle:

@@ -113,3 +113,22 @@ def test_an_engine_the_card_cannot_size_is_refused_and_an_unreached_one_named(t4
     unreached = t4_ledger.ledger(notebook(
         tmp_path, "def never():\n    return LLM(model=model, num_gpu_blocks_override=200)"))
     assert unreached.unreached == ["cell 2 line 2"]
+
+
+def test_a_starved_pool_counts_the_steps_preemption_adds(t4_ledger, tmp_path):
+    """Chapter 7's starved run at full size: 200 requests of 9 + 1,000 tokens on a pool 2.65
+    times too small take far more than the 1,000 steps of an ample pool, as the scheduler runs."""
+    prompts = "prompts = [{'prompt_token_ids': [1] * 9} for _ in range(200)]"
+    params = "params = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)"
+    starved = "llm = LLM(model=model, max_model_len=1024, num_gpu_blocks_override=4832)"
+    ample = "llm = LLM(model=model, max_model_len=1024, num_gpu_blocks_override=12800)"
+    runs = {name: t4_ledger.ledger(notebook(tmp_path, prompts, params, pool,
+                                            "llm.generate(prompts, params)")).work
+            for name, pool in [("starved", starved), ("ample", ample)]}
+    assert runs["ample"].preemption_steps == 0 and runs["ample"].steps == 1001
+    steps, computed, preemptions = t4_ledger.scheduled_work([(9, 1000)] * 200, 4832, 16, 1024,
+                                                            256, 2048)
+    assert preemptions > 0 and steps > 1.5 * 1000
+    assert runs["starved"].steps == steps  # all 200 requests, not the walker's first 64
+    assert runs["starved"].preemption_steps == steps - 1001
+    assert runs["starved"].recomputed_tokens == computed - 200 * (9 + 1000 - 1) > 0

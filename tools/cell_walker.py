@@ -389,7 +389,7 @@ class Walker:
 
     def comprehension(self, node, element) -> list:
         """Evaluate a comprehension, element() once per item; each result is kept alive."""
-        results = []
+        results, outer = [], []  # outer: the first for clause's iterable
         self.frames.append(dict(self.frames[-1]))
 
         def walk(generators):
@@ -400,6 +400,7 @@ class Walker:
                 return
             first = generators[0]
             iterable = self.eval(first.iter)
+            outer.append(iterable)
             values, mark = items(iterable), self.loop_work()
             for item in values:
                 self.bind(first.target, item)
@@ -411,6 +412,11 @@ class Walker:
             walk(node.generators)
         finally:
             self.frames.pop()
+        whole = length(outer[0]) if len(node.generators) == 1 and not node.generators[0].ifs \
+            and results else 0
+        if len(results) < whole <= 100_000:
+            # Cut short at LOOP_LIMIT: the rest repeat the items walked, so len() stays true.
+            results = [results[i % len(results)] for i in range(whole)]
         return results
 
     def eval_ListComp(self, node):

@@ -167,6 +167,38 @@ class Work:
     generated_tokens: int = 0
     unknown_requests: int = 0
     weight_bytes: int = 0  # the largest model the chapter runs, for the bandwidth floor
+    preemption_steps: int = 0  # of steps: those added because the pool preempted
+    recomputed_tokens: int = 0  # tokens computed again after a preemption (a prefill's FLOPs)
+
+
+def scheduled_work(requests: list[tuple[int, int]], num_blocks: int, block_size: int,
+                   max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
+                   preemption_mode: str = "recompute") -> tuple[int, int, int]:
+    """Run the book's own scheduler (chapter 7's, or chapter 11's swapping one) over requests
+    of (prompt length, answer length) on a pool of num_blocks, every sampled token a dummy and
+    no model: (steps, tokens computed, preemptions), preemption's extra steps and recomputed
+    tokens included. Prefix caching is off (the ledger's prompts are lengths, not tokens)."""
+    import minipaged.swap  # noqa: F401  (registers preemption_mode="swap")
+    from minipaged.blocks import BlockPool
+    from minipaged.engine import SCHEDULERS
+    from minipaged.sampling import SamplingParams
+    from minipaged.scheduler import KVCacheManager, Request, needs_sample
+
+    scheduler = SCHEDULERS[preemption_mode](KVCacheManager(BlockPool(num_blocks, block_size)),
+                                            max_num_batched_tokens, max_num_seqs, max_model_len)
+    for number, (prompt, answer) in enumerate(requests):
+        scheduler.add_request(Request(str(number), [0] * prompt, SamplingParams(
+            temperature=0, max_tokens=answer, ignore_eos=True)))
+    steps = computed = 0
+    while scheduler.has_unfinished_requests():
+        out = scheduler.schedule()
+        if not out.scheduled_requests:
+            raise ValueError("the scheduler could schedule nothing although requests wait")
+        counts = out.num_scheduled_tokens
+        steps, computed = steps + 1, computed + out.total_num_scheduled_tokens
+        scheduler.update_from_output(out, {r.request_id: 0 for r in out.scheduled_requests
+                                           if needs_sample(r, counts[r.request_id])})
+    return steps, computed, scheduler.num_preemptions
 
 
 def activation_bytes(config, num_tokens: int, num_rows: int, dtype_bytes: int) -> int:
@@ -466,14 +498,20 @@ class Ledger(Walker):
                                         num_blocks * block_bytes, True, model=model,
                                         activation=activation,
                                         options=dict(max_num_seqs=max_num_seqs,
-                                                     max_num_batched_tokens=tokens)))
+                                                     max_num_batched_tokens=tokens,
+                                                     num_blocks=num_blocks, block_size=block_size,
+                                                     max_model_len=longest,
+                                                     preemption_mode=options.get(
+                                                         "preemption_mode", "recompute"))))
 
     # ---- work ----
 
     def generate(self, engine: Allocation, args, kwargs) -> Unknown:
         """Count the steps and tokens of llm.generate / llm.stream: prompts prefilled in steps
         of max_num_batched_tokens, then one step per generated token for each batch of
-        max_num_seqs requests (preemption's extra steps are not counted)."""
+        max_num_seqs requests. When the pool cannot hold every request at its full length at once,
+        a preemption may happen: then the steps and the recomputed tokens are those of the book's
+        scheduler run over these lengths (scheduled_work)."""
         prompts = args[0] if args else kwargs.get("prompts", UNKNOWN)
         params = args[1] if len(args) > 1 else kwargs.get("sampling_params", Params({}))
         prompts = [prompts] if isinstance(prompts, (dict, str)) else prompts
@@ -482,7 +520,7 @@ class Ledger(Walker):
             return UNKNOWN
         params = params if isinstance(params, list) else [params] * len(prompts)
         work, options = self.result.work, engine.options
-        lengths, answers = [], []
+        lengths, answers, requests = [], [], []
         for prompt, param in zip(prompts, params):
             ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
             n, max_tokens = getattr(param, "n", 1), getattr(param, "max_tokens", 16)
@@ -491,10 +529,22 @@ class Ledger(Walker):
                 continue
             lengths.append(len(ids))
             answers += [max_tokens] * (n if isinstance(n, int) else 1)
+            requests += [(len(ids), max_tokens)] * (n if isinstance(n, int) else 1)
         seqs, budget = options.get("max_num_seqs", 256), options.get("max_num_batched_tokens",
                                                                       2048)
         batches = [answers[i:i + seqs] for i in range(0, len(answers), seqs)]
-        work.steps += math.ceil(sum(lengths) / budget) + sum(max(b) for b in batches)
+        steps = math.ceil(sum(lengths) / budget) + sum(max(b) for b in batches)
+        block_size, num_blocks = options.get("block_size", 16), options.get("num_blocks")
+        wanted = sum(math.ceil(min(p + a, options.get("max_model_len", p + a)) / block_size)
+                     for p, a in requests)
+        if isinstance(num_blocks, int) and wanted > num_blocks:  # the pool may preempt
+            simulated, computed, _ = scheduled_work(
+                requests, num_blocks, block_size, options["max_model_len"], seqs, budget,
+                options["preemption_mode"])
+            work.preemption_steps += max(0, simulated - steps)
+            work.recomputed_tokens += max(0, computed - sum(p + a - 1 for p, a in requests))
+            steps = simulated
+        work.steps += steps
         work.prompt_tokens += sum(lengths)
         work.generated_tokens += sum(answers)
         if engine.model is not None:
@@ -581,7 +631,8 @@ class Ledger(Walker):
         if factor <= 1:
             return
         work = self.result.work
-        for name in ("steps", "prompt_tokens", "generated_tokens", "unknown_requests"):
+        for name in ("steps", "prompt_tokens", "generated_tokens", "unknown_requests",
+                     "preemption_steps", "recomputed_tokens"):
             done = getattr(work, name) - getattr(mark, name)
             setattr(work, name, getattr(mark, name) + round(done * factor))
 
