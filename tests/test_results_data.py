@@ -15,7 +15,6 @@ from pathlib import Path
 import jupytext
 import pytest
 
-import minipaged.runtime as runtime_module
 from minipaged.runtime import gpu_results, results_dir
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -68,13 +67,13 @@ def test_results_dir_falls_back_on_the_copy_an_installed_package_carries(tmp_pat
     plant_gpu_run(copy)
     (tmp_path / "content").mkdir()
     monkeypatch.chdir(tmp_path / "content")  # Colab's working directory: no repository above
-    monkeypatch.setattr(runtime_module, "__file__", str(site / "minipaged" / "runtime.py"))
+    monkeypatch.setattr("importlib.resources.files", lambda package: site / package)
     assert results_dir() == copy
     assert gpu_results("kernels").path == copy / "Tesla_T4" / "kernels.csv"
     # the same package imported from a checkout reads the checkout's folder instead
     checkout = tmp_path / "checkout"
     (checkout / "bench" / "results").mkdir(parents=True)
-    monkeypatch.setattr(runtime_module, "__file__", str(checkout / "minipaged" / "runtime.py"))
+    monkeypatch.setattr("importlib.resources.files", lambda package: checkout / package)
     assert results_dir() == checkout / "bench" / "results"
     assert gpu_results("kernels") is None
 
@@ -134,8 +133,9 @@ ALLOWED = {"results_dir", "measured_dir"}  # the helpers that know where the fil
 
 
 def repository_reads(source: str) -> list[str]:
-    """Where a cell's code names a repository file itself: __file__, or a repository path given
-    to Path, open or a reader, or joined with /; the bodies of the ALLOWED helpers excepted."""
+    """Where a cell's code names a repository file itself: a repository path given to Path, open
+    or a reader, or joined with /, outside the ALLOWED helpers; or __file__ anywhere (a
+    notebook's kernel has none, so even a helper's cell would fail in its chapter)."""
     lines = [re.sub(r"^(\s*)[%!].*", r"\1pass", line) for line in source.splitlines()]
     tree = ast.parse("\n".join(lines))
     skipped = {id(node) for function in ast.walk(tree)
@@ -143,11 +143,11 @@ def repository_reads(source: str) -> list[str]:
                for node in ast.walk(function)}
     found = []
     for node in ast.walk(tree):
-        if id(node) in skipped:
-            continue
         if isinstance(node, ast.Name) and node.id == "__file__" or \
                 isinstance(node, ast.Attribute) and node.attr == "__file__":
             found.append(f"line {node.lineno}: __file__")
+        if id(node) in skipped:
+            continue
         arguments = []
         if isinstance(node, ast.Call):
             called = node.func.attr if isinstance(node.func, ast.Attribute) else \
@@ -167,7 +167,9 @@ def test_the_walker_catches_a_repository_read():
     assert repository_reads('table = pd.read_csv("../bench/results/engine.csv")')
     assert not repository_reads('rows = (results_dir() / "blocks.csv").open()')
     assert not repository_reads('print("bench/results/blocks.csv is missing")')
-    assert not repository_reads('def results_dir():\n    return Path(__file__).parent')
+    assert not repository_reads('def results_dir():\n    return Path.cwd() / "bench/results"')
+    assert repository_reads('def gpu_results():\n    return Path.cwd() / "bench/results"')
+    assert repository_reads('def results_dir():\n    return Path(__file__).parent')
     assert not repository_reads('meminfo = open("/proc/meminfo")')
 
 
