@@ -12,6 +12,7 @@ from minipaged.reckoning import (
     STUDY_FIGURES,
     StudyFigure,
     decode_step_bytes,
+    records_note,
     reproduction_rows,
     reproduction_table,
 )
@@ -59,7 +60,7 @@ def test_the_table_covers_the_study_with_one_row_per_figure(tmp_path):
     table = reproduction_table(rows)
     assert table.count("<tr>") == 1 + len(STUDY_FIGURES)  # the head, then a row per figure
     assert all(row["minipaged"] is None for row in rows)  # nothing recorded: nothing shown
-    assert all(row["verdict"].startswith(("not yet measured: run chapter",
+    assert all(row["verdict"].startswith(("not yet measured: chapter",
                                           "not measurable here")) for row in rows)
 
 
@@ -77,7 +78,8 @@ def test_a_value_comes_only_from_a_chapter_record(tmp_path):
     assert rows["tile_macs"]["minipaged"] is None
     assert rows["tile_macs"]["verdict"].startswith("not yet measured: chapter 4 ran without")
     assert rows["table_bytes"]["verdict"].startswith("not yet measured: chapter 3 ran without")
-    assert rows["num_layers"]["verdict"] == "not yet measured: run chapter 5 first"
+    assert rows["num_layers"]["verdict"] == "not yet measured: chapter 5 left no record here"
+    assert rows["num_layers"]["waiting"] and not rows["tile_macs"]["waiting"]
 
 
 def test_verdicts_follow_the_studys_precision_and_the_size_of_the_run(tmp_path):
@@ -106,6 +108,41 @@ def test_a_gpu_run_at_full_size_is_preferred(tmp_path):
                                                                  root=tmp_path)}
     assert rows["sixteen_off_s"]["measured"].where == "NVIDIA H200, full size"
     assert rows["sixteen_off_s"]["verdict"].startswith("differs")  # 7.9 against 7.93
+
+
+def test_rows_without_a_record_are_explained_once_above_the_table(tmp_path, monkeypatch):
+    # on Colab: no book above the working directory, so measured_dir() is None
+    (tmp_path / "content").mkdir()
+    monkeypatch.chdir(tmp_path / "content")
+    monkeypatch.delenv("MINIPAGED_MEASURED_DIR", raising=False)
+    assert runtime_module.measured_dir() is None
+    alone = reproduction_rows(root=tmp_path)
+    note = records_note(alone)
+    chapters = sorted({figure.chapter for figure in STUDY_FIGURES if figure.key is not None})
+    assert "outside the book's repository" in note and "No GPU run" in note
+    assert f"chapters {', '.join(map(str, chapters[:-1]))} and {chapters[-1]} " in note
+    assert "run chapter" not in reproduction_table(alone)  # no instruction a reader cannot follow
+    # a GPU run the package carries fills its chapter's rows, and the note names the card
+    card = tmp_path / "bench" / "results" / "NVIDIA_H200"
+    card.mkdir(parents=True)
+    (card / "env.json").write_text(json.dumps({"device": "cuda", "gpu": "NVIDIA H200",
+                                               "started_at": "2026-01-01T00:00:00"}))
+    (card / "chapter_01_glue.csv").write_text("chapter,cell,name,value\n"
+                                              "01_kv_memory,3,kib_per_token,12.0\n")
+    with_gpu = reproduction_rows(root=tmp_path)
+    assert "The values measured on NVIDIA H200 come from" in records_note(with_gpu)
+    assert "chapters 2, " in records_note(with_gpu)  # chapter 1 has its GPU record
+    # in a checkout, a lone run: the folder is named, and the way to fill it
+    record(tmp_path / "measured", "03_block_pool", {"capacity_512": 1_814})
+    lone = reproduction_rows(directory=tmp_path / "measured", root=tmp_path / "none")
+    note = records_note(lone, directory=tmp_path / "measured")
+    assert f"left no record in `{tmp_path / 'measured'}`" in note and "make book" in note
+    assert ", 3," not in note and not note.startswith("Chapters 3")
+    # every chapter recorded: nothing to say
+    every = {figure.chapter for figure in STUDY_FIGURES}
+    for number in every:
+        record(tmp_path / "all", f"{number:02d}_x", {})
+    assert records_note(reproduction_rows(directory=tmp_path / "all", root=tmp_path)) == ""
 
 
 def test_bad_figures_are_refused():
