@@ -12,7 +12,8 @@ export PYTHONHASHSEED ?= 0
 # so `make test` followed by `make book` executes every chapter once.
 export MINIPAGED_SHARE_EXECUTION ?= 1
 
-.PHONY: venv book test check check-chapters tangle lint bench gpu-check gpu-check-dry clean browser-check
+.PHONY: venv book test check check-chapters tangle lint bench gpu-check gpu-check-dry clean browser-check \
+	compile-check
 
 venv: $(STAMP)
 $(STAMP): requirements.txt pyproject.toml
@@ -89,6 +90,19 @@ gpu-check:
 ## The same command on a CPU at tiny sizes under Triton's interpreter, so it cannot rot (CI).
 gpu-check-dry: $(STAMP)
 	$(BIN)/python bench/gpu_check --dry-run --strict
+
+## Chapter 5's compile table under the lowest triton the requirements allow, in a side virtualenv
+## with the pinned CPU torch (CI). `make test` checks the same table under the newest triton.
+TRITON_MIN := $(shell sed -n 's/^triton>=\([0-9.]*\).*/\1/p' requirements.txt).0
+TORCH_PIN := $(shell grep '^torch==' requirements.txt)
+MIN_VENV := .venv-triton-min
+$(MIN_VENV)/.installed: requirements.txt
+	$(PYTHON) -m venv $(MIN_VENV)
+	$(MIN_VENV)/bin/pip install -qq "$(TORCH_PIN)" "triton==$(TRITON_MIN)" "numpy<2.4" tqdm
+	touch $@
+
+compile-check: $(MIN_VENV)/.installed
+	PYTHONPATH=$(CURDIR) TRITON_INTERPRET=0 $(MIN_VENV)/bin/python tools/compile_check.py
 
 clean:
 	rm -rf _build
