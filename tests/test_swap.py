@@ -379,9 +379,11 @@ def test_on_a_gpu_the_host_pool_and_the_staging_buffers_are_pinned(monkeypatch):
 # --- the host pool's size: a budget in bytes, bounded by the host's memory -------------------
 
 
-def test_swap_space_sizes_the_host_pool_in_bytes_of_the_cache_blocks():
+def test_swap_space_sizes_the_host_pool_in_bytes_of_the_cache_blocks(monkeypatch):
+    import minipaged.swap
     from minipaged.memory import GiB
 
+    monkeypatch.setattr(minipaged.swap, "free_memory_bytes", lambda device: 64 * GiB)
     manager = KVCacheManager(BlockPool(7, 4))
     scheduler = SwapScheduler(manager, max_num_seqs=4, max_model_len=64,
                               swap_space_bytes=10 * 1000 + 999, block_bytes=1000)
