@@ -716,3 +716,23 @@ def test_host_reads_per_step_do_not_grow_with_the_layers(monkeypatch):
         counts.append((len(reads), llm.llm_engine.num_steps))
     assert counts[0] == counts[1], counts
     assert counts[0][0] <= 40 * counts[0][1]  # a few dozen checks a step, not per layer
+
+
+def test_host_memory_without_proc_meminfo_falls_back_to_the_physical_memory(monkeypatch):
+    import builtins
+    import os
+
+    import minipaged.engine
+
+    real_open = builtins.open
+
+    def no_meminfo(path, *args, **kwargs):
+        if path == "/proc/meminfo":
+            raise OSError("no /proc here")
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", no_meminfo)
+    monkeypatch.setattr(os, "sysconf", {"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": 1000}.__getitem__)
+    assert minipaged.engine.free_memory_bytes(torch.device("cpu")) == 4096 * 1000
+    monkeypatch.delattr(os, "sysconf")  # Windows: neither can be told
+    assert minipaged.engine.free_memory_bytes(torch.device("cpu")) is None

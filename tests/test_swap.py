@@ -287,3 +287,154 @@ def test_answers_equal_recompute_and_an_ample_pool(model, caching, sampling):
     stats = {name: engine.stats()["num_computed_tokens"] for name, engine in engines.items()}
     if not caching:
         assert stats["swap"] == stats["ample"] < stats["recompute"]
+
+
+# --- the copies on a GPU: pinned staging buffers, events (run here with stand-ins) -------------
+
+
+class LoggingEvent:
+    """A stand-in for torch.cuda.Event that logs its calls, to check when buffers are reused."""
+
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def record(self):
+        self.log.append(("record", self.name))
+
+    def synchronize(self):
+        self.log.append(("synchronize", self.name))
+
+
+def calls_of(log, name):
+    return [call for call, event in log if event == name]
+
+
+@pytest.mark.parametrize("num_layers", [1, 2, 3])
+def test_staged_copies_move_the_bytes_the_plain_copies_move(num_layers):
+    from minipaged.swap import staged_swap_in, staged_swap_out
+
+    gen = torch.Generator().manual_seed(num_layers)
+    cache = KVCache(num_layers=num_layers, num_blocks=12, block_size=4, num_kv_heads=2,
+                    head_dim=4)
+    for layer in cache.layers:
+        layer.copy_(torch.randn(layer.shape, generator=gen))
+    device_ids = torch.randperm(12, generator=gen)[:5]
+    host_ids = torch.randperm(7, generator=gen)[:5]
+    plain, staged = HostKVCache(7, 4), HostKVCache(7, 4)
+    plain.swap_out_blocks(cache, zip(device_ids.tolist(), host_ids.tolist()))
+    staged.allocate_like(cache)
+    staging = [torch.empty((6, *cache.layers[0].shape[1:]), pin_memory=False) for _ in range(2)]
+    log = []
+    events = [LoggingEvent(0, log), LoggingEvent(1, log)]
+    staged_swap_out(cache.layers, staged.layers, device_ids, host_ids, staging, events)
+    assert all(torch.equal(a, b) for a, b in zip(plain.layers, staged.layers))
+    for name in (0, 1):  # each copy lands before the CPU reads its buffer or it is reused
+        calls = calls_of(log, name)
+        assert calls == ["record", "synchronize"] * (len(calls) // 2)
+    assert len(log) == 2 * num_layers
+
+    back = [torch.full_like(layer, float("nan")) for layer in cache.layers]
+    into = torch.randperm(12, generator=gen)[:5]
+    log.clear()
+    staged_swap_in(staged.layers, back, host_ids, into, staging, events)
+    for name in (0, 1):  # the CPU waits for a buffer's last copy before it rewrites the buffer
+        calls = calls_of(log, name)
+        assert calls == ["synchronize", "record"] * (len(calls) // 2)
+    for restored, original in zip(back, cache.layers):
+        assert torch.equal(restored[into], original[device_ids])
+        untouched = torch.ones(12, dtype=torch.bool)
+        untouched[into] = False
+        assert restored[untouched].isnan().all()
+
+
+def test_on_a_gpu_the_host_pool_and_the_staging_buffers_are_pinned(monkeypatch):
+    import minipaged.swap
+
+    pins, zeros, empty = [], torch.zeros, torch.empty
+
+    def recording(allocate):
+        def allocate_unpinned(*args, pin_memory=False, **kwargs):
+            pins.append((allocate.__name__, pin_memory))
+            return allocate(*args, **kwargs)  # this machine has nothing to pin with
+        return allocate_unpinned
+
+    cache = random_cache(8, 4)
+    originals = [layer[[1, 4, 6]].clone() for layer in cache.layers]
+    monkeypatch.setattr(minipaged.swap, "pinned_host", lambda device: True)  # "a GPU"
+    monkeypatch.setattr(torch, "zeros", recording(zeros))
+    monkeypatch.setattr(torch, "empty", recording(empty))
+    host = HostKVCache(num_blocks=4, block_size=4)
+    host.swap_out_blocks(cache, [(1, 0), (4, 1), (6, 2)])
+    for layer in cache.layers:
+        layer[[1, 4, 6]] = float("nan")
+    host.swap_in_blocks(cache, [(0, 7), (1, 0), (2, 3)])
+    monkeypatch.undo()
+    assert pins == [("zeros", True)] * 2 + [("empty", True)] * 2  # pool layers, then staging
+    assert len(host.staging) == 2 and host.staging[0].shape[0] == 3
+    assert all(torch.equal(layer[[7, 0, 3]], o) for layer, o in zip(cache.layers, originals))
+    assert host.num_bytes_swapped_out == host.num_bytes_swapped_in == 3 * host.bytes_per_block(
+        cache)
+
+
+# --- the host pool's size: a budget in bytes, bounded by the host's memory -------------------
+
+
+def test_swap_space_sizes_the_host_pool_in_bytes_of_the_cache_blocks(monkeypatch):
+    import minipaged.swap
+    from minipaged.memory import GiB
+
+    monkeypatch.setattr(minipaged.swap, "free_memory_bytes", lambda device: 64 * GiB)
+    manager = KVCacheManager(BlockPool(7, 4))
+    scheduler = SwapScheduler(manager, max_num_seqs=4, max_model_len=64,
+                              swap_space_bytes=10 * 1000 + 999, block_bytes=1000)
+    assert scheduler.host.pool.num_blocks == 10  # whole blocks of the budget
+    capped = SwapScheduler(manager, max_num_seqs=4, max_model_len=64,
+                           swap_space_bytes=GiB, block_bytes=1000)
+    assert capped.host.pool.num_blocks == 4 * 16  # no more than the queues can fill
+    llm = LLM(max_model_len=64, num_gpu_blocks_override=8, preemption_mode="swap",
+              swap_space=0.001)
+    engine = llm.llm_engine
+    block_bytes = HostKVCache.bytes_per_block(engine.kv_cache)
+    assert engine.scheduler.block_bytes == block_bytes
+    assert engine.scheduler.host.pool.num_blocks == int(0.001 * GiB) // block_bytes
+    default = LLM(max_model_len=64, num_gpu_blocks_override=8, preemption_mode="swap")
+    assert default.llm_engine.scheduler.host.pool.num_blocks == min(4 * GiB // block_bytes,
+                                                                      256 * 4)
+    with pytest.raises(ValueError, match="swap_space"):
+        LLM(max_model_len=64, num_gpu_blocks_override=8, preemption_mode="swap", swap_space=0)
+    for bad in (-1, "4", float("nan")):
+        with pytest.raises(ValueError, match="swap_space"):
+            LLM(max_model_len=64, num_gpu_blocks_override=8, swap_space=bad)
+
+
+def test_a_host_pool_larger_than_the_host_is_refused_before_anything_is_taken(monkeypatch):
+    import minipaged.swap
+
+    monkeypatch.setattr(minipaged.swap, "free_memory_bytes", lambda device: 10_000)
+    manager = KVCacheManager(BlockPool(7, 4))
+    assert SwapScheduler(manager, num_cpu_blocks=10, block_bytes=1000).host.pool.num_blocks == 10
+    with pytest.raises(ValueError, match="num_cpu_blocks=11 .* 10,000 bytes"):
+        SwapScheduler(manager, num_cpu_blocks=11, block_bytes=1000)
+    with pytest.raises(ValueError, match="swap_space"):
+        SwapScheduler(manager, swap_space_bytes=10_001, block_bytes=1000)
+    scheduler = SwapScheduler(manager, swap_space_bytes=10_000, block_bytes=1000)
+    host = scheduler.host
+    for too_many in (11, 10**6, 10**12):  # 10**12 once hung making the pool's block ids
+        with pytest.raises(ValueError, match="num_cpu_blocks"):
+            scheduler.set_num_cpu_blocks(too_many)
+        assert scheduler.host is host
+    with pytest.raises(ValueError, match="swap_space"):
+        LLM(max_model_len=64, num_gpu_blocks_override=8, preemption_mode="swap", swap_space=1)
+    # without block_bytes the scheduler cannot price its pool: the bytes are checked when taken
+    cache = random_cache(8, 4)  # 512 bytes a block
+    unpriced = SwapScheduler(KVCacheManager(BlockPool(8, 4)), num_cpu_blocks=40)
+    with pytest.raises(ValueError, match="num_cpu_blocks=40"):
+        unpriced.host.swap_out_blocks(cache, [(0, 0)])
+    assert unpriced.host.layers == [] and unpriced.host.num_bytes_swapped_out == 0
+
+
+def test_the_real_host_refuses_a_pool_of_a_trillion_blocks():
+    llm = LLM(max_model_len=64, num_gpu_blocks_override=8, preemption_mode="swap",
+              swap_space=0.001)
+    with pytest.raises(ValueError, match="num_cpu_blocks=1000000000000 .* available"):
+        llm.llm_engine.scheduler.set_num_cpu_blocks(10**12)
