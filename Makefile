@@ -92,7 +92,9 @@ gpu-check-dry: $(STAMP)
 	$(BIN)/python bench/gpu_check --dry-run --strict
 
 ## Chapter 5's compile table under the lowest triton the requirements allow, in a side virtualenv
-## with the pinned CPU torch (CI). `make test` checks the same table under the newest triton.
+## with the pinned CPU torch (CI). `make test` checks the same table under the newest triton and
+## compares it with the committed bench/results/compile_report.csv, which
+## `TRITON_INTERPRET=0 $(BIN)/python tools/compile_report.py --write` rewrites.
 TRITON_MIN := $(shell sed -n 's/^triton>=\([0-9.]*\).*/\1/p' requirements.txt).0
 TORCH_PIN := $(shell grep '^torch==' requirements.txt)
 MIN_VENV := .venv-triton-min

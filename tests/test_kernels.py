@@ -2,6 +2,7 @@
 import itertools
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -328,26 +329,40 @@ def test_splits_fill_one_wave_and_no_more(num_sms, capability):
     assert K._pick_splits(2, 2048, 16, K.INTERPRETER) == 1  # the interpreter never splits
 
 
+class Spy:
+    """Stands in for a kernel: records each launch's constants, then launches it."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel, self.constants = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **constants):
+            self.constants.append(constants)
+            self.kernel[grid](*args, **constants)
+        return launch
+
+
 @pytest.mark.heavy
 @pytest.mark.parametrize("block_size, lookup", [(1, "position"), (4, "tile"), (64, "tile")])
-def test_the_t4_launches_match_the_reference(block_size, lookup):
+def test_the_t4_launches_match_the_reference(block_size, lookup, monkeypatch):
     # The launches a T4 gets (16-position tiles, register prefetch, 4-token extend programs),
     # run under the interpreter: the prefetch reads one tile past the last, masked.
-    t4 = K.Target(75, 0)  # no SMs to fill: one split, so the decode prefetches
+    monkeypatch.setattr(K, "device_target", lambda device: K.Target(75, 0))  # one split
+    decode, merge, extend = (Spy(getattr(K, name)) for name in (
+        "_decode_kernel", "_merge_splits_kernel", "_extend_kernel"))
+    for name, spy in (("_decode_kernel", decode), ("_merge_splits_kernel", merge),
+                      ("_extend_kernel", extend)):
+        monkeypatch.setattr(K, name, spy)
     query, layer, tables, seq_lens, starts, _ = make_batch([1, 17, 64, 130], [1] * 4, block_size)
     expected = reference_paged_attention(query, layer, tables, seq_lens, starts)
-    out, launches = K._plan_decode(query, layer, tables, seq_lens, None, True, lookup == "tile",
-                                   None, None, 130, t4)
-    assert [launch.constants["PREFETCH"] for launch in launches] == [True]
-    assert launches[0].constants["TILE"] == 16
-    for launch in launches:
-        launch.run()
+    out = decode_attention(query, layer, tables, seq_lens, lookup=lookup)
+    assert [c["PREFETCH"] for c in decode.constants] == [True] and merge.constants == []
+    assert decode.constants[0]["TILE"] == 16
     assert_close(out, expected, torch.float16)
     query, layer, tables, seq_lens, starts, _ = make_batch([21, 50, 9], [21, 9, 1], block_size)
     expected = reference_paged_attention(query, layer, tables, seq_lens, starts)
-    out, launch = K._plan_extend(query, layer, tables, seq_lens, starts, None, None, None, t4)
-    assert launch.constants["BLOCK_M"] == 4
-    launch.run()
+    out = extend_attention(query, layer, tables, seq_lens, starts)
+    assert [c["BLOCK_M"] for c in extend.constants] == [4]
     assert_close(out, expected, torch.float16)
 
 
@@ -370,19 +385,87 @@ def test_lengths_given_by_the_caller_give_the_same_answer(query_lengths):
 
 # ---- compiled for a T4 (sm_75) and an A100 (sm_80) by Triton's own compiler: no GPU ----
 
-@pytest.mark.heavy
-def test_kernels_fit_a_t4_and_an_a100_as_the_wrappers_launch_them():
-    # The launches the wrappers make (tiles picked per architecture, the JIT's alignment
-    # specialisation, num_warps and num_stages), compiled for compute 7.5 and 8.0 in a fresh
-    # process with the interpreter off; the same call makes chapter 5's table, and
-    # `make compile-check` runs the same checks under the lowest triton the requirements allow.
-    pytest.importorskip("triton.backends.nvidia.compiler")
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-    from compile_check import problems, split_rule_mismatches
+TOOLS = Path(__file__).resolve().parent.parent / "tools"
 
-    rows = K.compile_report()
-    assert problems(rows) == []
-    assert split_rule_mismatches(rows) == []  # the split rule assumes what this triton gives
+
+def compile_tool(name: str = "compile_report"):
+    """tools/compile_report.py (or compile_check.py) as a module: the table is not the package's."""
+    if str(TOOLS) not in sys.path:
+        sys.path.insert(0, str(TOOLS))
+    return __import__(name)
+
+
+@pytest.fixture(scope="module")
+def fresh_table():
+    """Chapter 5's compile table compiled now, under this triton, with the interpreter off (a
+    fresh process: the kernels of this one were made for the interpreter)."""
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    run = subprocess.run([sys.executable, str(TOOLS / "compile_report.py"), "--json"],
+                         capture_output=True, text=True, timeout=900,
+                         env=dict(os.environ, TRITON_INTERPRET="0"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.splitlines()[-1])
+
+
+@pytest.mark.heavy
+def test_kernels_fit_a_t4_and_an_a100_as_the_wrappers_launch_them(fresh_table):
+    # The launches the wrappers make (tiles picked per architecture, the JIT's alignment
+    # specialisation, num_warps and num_stages), recorded from the wrappers and compiled for
+    # compute 7.5 and 8.0; `make compile-check` runs the same checks under the lowest triton
+    # the requirements allow.
+    check = compile_tool("compile_check")
+    assert check.problems(fresh_table) == []
+    assert check.split_rule_mismatches(fresh_table) == []  # the split rule counts what it gets
+
+
+@pytest.mark.heavy
+def test_the_committed_compile_table_is_what_this_triton_compiles(fresh_table):
+    # Registers, and so programs per SM, change between triton releases (3.4 keeps one split
+    # decode program fewer on a T4 than 3.9), so the committed table is compared only under the
+    # triton that wrote it; the quick tests below check its tiles under any triton.
+    committed = compile_tool().read_csv()
+    written_by, installed = committed[0]["triton"], fresh_table[0]["triton"]
+    if written_by != installed:
+        pytest.skip(f"bench/results/compile_report.csv was compiled by triton {written_by}, "
+                    f"this is {installed}")
+    assert fresh_table == committed, ("bench/results/compile_report.csv is stale: rerun "
+                                      "TRITON_INTERPRET=0 python tools/compile_report.py --write")
+
+
+def test_the_committed_compile_table_has_the_tiles_the_wrappers_pick_now():
+    # Recorded from the wrappers without compiling: a change to the dispatcher that leaves the
+    # committed table behind fails here, under any triton, in seconds.
+    tool = compile_tool()
+    committed = tool.read_csv()
+    assert len({row["triton"] for row in committed}) == 1
+    recorded = [{"kernel": name, "GPU": tool.GPU_NAMES[capability], "head dim": head_dim,
+                 "tiles": tool.tiles(launch)}
+                for capability, head_dim, name, launch in tool.table_rows()]
+    assert [{k: row[k] for k in recorded[0]} for row in committed] == recorded, (
+        "bench/results/compile_report.csv is stale: rerun "
+        "TRITON_INTERPRET=0 python tools/compile_report.py --write")
+
+
+def test_the_split_rule_counts_what_the_committed_table_compiles():
+    tool = compile_tool()
+    committed = tool.read_csv()
+    for capability, gpu in tool.GPU_NAMES.items():
+        decode = next(r for r in committed if (r["kernel"], r["GPU"], r["head dim"])
+                      == ("decode", gpu, 64))
+        assert K._decode_programs_per_sm(capability) == decode["programs / SM"], gpu
+    assert K._decode_programs_per_sm(90) == K._decode_programs_per_sm(80)  # Ampere's on
+
+
+def test_chapter_5_shows_the_compile_tool_as_it_stands():
+    # The chapter displays two pieces of tools/compile_report.py (it cannot run them): each
+    # must be the tool's text, verbatim.
+    chapter = (TOOLS.parent / "chapters" / "05_paged_attention.md").read_text()
+    shown = re.findall(r"```\{code-block\} python\n:caption: tools/compile_report.py[^\n]*\n\n"
+                       r"(.*?)\n```", chapter, flags=re.S)
+    assert len(shown) == 2
+    source = (TOOLS / "compile_report.py").read_text()
+    for snippet in shown:
+        assert snippet in source, snippet[:200]
 
 
 @pytest.mark.heavy
@@ -403,11 +486,12 @@ def test_the_compile_table_specialises_arguments_as_the_jit_does():
 
 
 def test_programs_per_sm_by_hand():
+    programs_per_sm = compile_tool().programs_per_sm
     # T4: 128 registers x 128 threads = a quarter of the SM's registers; warps allow 8.
-    assert K.programs_per_sm(75, 128, 8192, 4) == 4
-    assert K.programs_per_sm(75, 255, 0, 4) == 2  # 256 registers a thread after rounding
-    assert K.programs_per_sm(75, 32, 48 * 1024, 4) == 1  # shared memory binds
-    assert K.programs_per_sm(80, 64, 20 * 1024, 4) == 7  # 164 KiB / (20 + 1 reserved) KiB
+    assert programs_per_sm(75, 128, 8192, 4) == 4
+    assert programs_per_sm(75, 255, 0, 4) == 2  # 256 registers a thread after rounding
+    assert programs_per_sm(75, 32, 48 * 1024, 4) == 1  # shared memory binds
+    assert programs_per_sm(80, 64, 20 * 1024, 4) == 7  # 164 KiB / (20 + 1 reserved) KiB
 
 
 # ---- the batched CPU path against the reference ----

@@ -83,7 +83,7 @@ def test_results_dir_falls_back_on_the_copy_an_installed_package_carries(tmp_pat
 def test_the_package_data_selects_every_committed_result_and_a_gpu_runs_tables(tmp_path):
     committed = {path.relative_to(RESULTS).as_posix() for path in RESULTS.rglob("*")
                  if path.is_file() and path.suffix != ".tmp" and "logs" not in path.parts}
-    assert {"blocks.csv", "engine.csv", "prefix_cache.csv"} <= committed
+    assert {"blocks.csv", "engine.csv", "prefix_cache.csv", "compile_report.csv"} <= committed
     assert committed <= shipped(RESULTS)
     plant_gpu_run(tmp_path)
     assert shipped(tmp_path) == {"Tesla_T4/env.json", "Tesla_T4/kernels.csv",

@@ -1,22 +1,24 @@
 """Compile chapter 5's kernels for a T4 and an A100 under this Python's triton, and check them.
 
-Chapter 5's compile table (``minipaged.kernels.compile_report``) compiles every launch the
-wrappers make, for compute capability 7.5 and 8.0, with Triton's public compiler entry points
-(``triton.compile`` on an ``ASTSource``), and reads registers, spills and shared memory with the
-``cuobjdump`` that ships inside Triton. No GPU is needed.
+Chapter 5's compile table (``tools/compile_report.py``) compiles every launch the wrappers
+make, recorded from the wrappers themselves, for compute capability 7.5 and 8.0, with Triton's
+public compiler entry points (``triton.compile`` on an ``ASTSource``), and reads registers,
+spills and shared memory with the ``cuobjdump`` that ships inside Triton. No GPU is needed.
 
 A Colab T4 may run any triton that its torch pins, so the table must build under the lowest
 triton the requirements allow as well as the newest. ``make compile-check`` runs this script in
 the project's virtualenv and in a side virtualenv that holds the lowest triton (see the Makefile);
 ``tests/test_kernels.py`` asserts the same checks under the project's own triton.
 
-``python tools/compile_check.py`` prints the table and exits 1 on a failed check.
+``TRITON_INTERPRET=0 python tools/compile_check.py`` prints the table and exits 1 on a failed
+check.
 """
 from __future__ import annotations
 
 import sys
 
 import triton
+from compile_report import GPU_NAMES, compile_report, example_launches, launch_source
 
 from minipaged import kernels as K
 
@@ -52,7 +54,7 @@ def problems(rows: list[dict]) -> list[str]:
 def split_rule_mismatches(rows: list[dict]) -> list[str]:
     """Where the split rule's assumed resident programs differ from what this triton compiles."""
     found = []
-    for capability, gpu in K.GPU_NAMES.items():
+    for capability, gpu in GPU_NAMES.items():
         decode = next(r for r in rows if r["GPU"] == gpu and r["head dim"] == 64
                       and r["kernel"] == "decode")  # split, as the rule would launch it
         assumed = K._decode_programs_per_sm(capability)
@@ -73,15 +75,15 @@ def jit_disagreements() -> list[str] | None:
     if not hasattr(JITFunction, "_pack_args"):
         return None
     found = []
-    for capability in K.GPU_NAMES:
+    for capability in GPU_NAMES:
         backend = make_backend(GPUTarget("cuda", capability, 32))
-        for name, launch in K._example_launches(K.Target(capability, 40)).items():
+        for name, launch in example_launches(K.Target(capability, 40)).items():
             kernel = launch.kernel
             binder = create_function_from_signature(kernel.signature, kernel.params, backend)
             bound, specialization, options = binder(*launch.args, **launch.constants)
             _, signature, constants, attrs = kernel._pack_args(
                 backend, launch.constants, bound, specialization, options)
-            source = K.launch_source(launch)
+            source = launch_source(launch)
             if (source.signature, source.constants) != (signature, constants) \
                     or source.attrs != {k: v for k, v in attrs.items() if v}:
                 found.append(f"{name} for {capability}: {source.signature} {source.attrs} "
@@ -90,7 +92,7 @@ def jit_disagreements() -> list[str] | None:
 
 
 def main() -> int:
-    rows = K.compile_report()
+    rows = compile_report()
     columns = list(rows[0])
     print(f"triton {triton.__version__}: {len(rows)} launches compiled")
     print(" | ".join(columns))
