@@ -280,7 +280,7 @@ def churn_manager(num_blocks: int, window: int, lengths: list[int]) -> tuple[flo
     def run() -> int:
         allocate_slots, free = manager.allocate_slots, manager.free
         for oldest, req, length in zip(requests, requests[window:], lengths[window:]):
-            if not allocate_slots(req, length):
+            if allocate_slots(req, length) is None:
                 raise RuntimeError("the churn stream overfilled the pool")
             free(oldest)
         return OPERATIONS
@@ -346,7 +346,7 @@ def step_manager(num_blocks: int, manager_class=KVCacheManager) -> tuple[float, 
     def run() -> int:
         allocate_slots = manager.allocate_slots
         for req in order:
-            if not allocate_slots(req, 1):
+            if allocate_slots(req, 1) is None:
                 raise RuntimeError("no room")
         return len(order)
 
@@ -422,7 +422,7 @@ def growth_manager_round(num_blocks: int) -> tuple[float, int]:
     def run() -> int:
         allocate_slots = manager.allocate_slots
         for req in requests:
-            if not allocate_slots(req, 1):
+            if allocate_slots(req, 1) is None:
                 raise RuntimeError("no room")
         return len(requests)
 
