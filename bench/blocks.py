@@ -22,7 +22,7 @@ The operation streams (drawn once per pool size from a fixed seed, replayed by e
 - churn: admit a sequence of 1 to 2,048 tokens (1 to 8 blocks) and release the oldest one
   still held, with about half the pool held throughout; one operation is one admission and one
   release. Peer: can_allocate + allocate, deallocate. KVCacheManager: allocate_slots (which
-  checks the free count itself and returns False when short), free. BlockTable: a new table,
+  checks the free count itself and returns None when short), free. BlockTable: a new table,
   ensure_capacity, free.
 - decode step: room for one more token in a last block that has room (nothing to allocate),
   cycling over a quarter as many sequences as the pool has blocks, at most 10,000.
@@ -33,7 +33,7 @@ The operation streams (drawn once per pool size from a fixed seed, replayed by e
 - hit on a free block: find a cached block by its hash, take it out of the free queue from
   wherever it is, then give it back. Peer: the hit branch of allocate (dict lookup,
   _allocate_block with deque.remove, the hash written back) and the release branch of
-  deallocate. minipaged: PrefixCachingBlockPool.get_cached_block, incref, free.
+  deallocate. minipaged: PrefixCachingBlockPool.get_cached_block, touch, free_blocks.
 
 The CSV's columns: the operation, the pool size, the side, how many sequences the stream holds
 at once (churn holds about half the pool, so over a hundred thousand sequences at 1M blocks),
@@ -280,7 +280,7 @@ def churn_manager(num_blocks: int, window: int, lengths: list[int]) -> tuple[flo
     def run() -> int:
         allocate_slots, free = manager.allocate_slots, manager.free
         for oldest, req, length in zip(requests, requests[window:], lengths[window:]):
-            if not allocate_slots(req, length):
+            if allocate_slots(req, length) is None:
                 raise RuntimeError("the churn stream overfilled the pool")
             free(oldest)
         return OPERATIONS
@@ -346,7 +346,7 @@ def step_manager(num_blocks: int, manager_class=KVCacheManager) -> tuple[float, 
     def run() -> int:
         allocate_slots = manager.allocate_slots
         for req in order:
-            if not allocate_slots(req, 1):
+            if allocate_slots(req, 1) is None:
                 raise RuntimeError("no room")
         return len(order)
 
@@ -422,7 +422,7 @@ def growth_manager_round(num_blocks: int) -> tuple[float, int]:
     def run() -> int:
         allocate_slots = manager.allocate_slots
         for req in requests:
-            if not allocate_slots(req, 1):
+            if allocate_slots(req, 1) is None:
                 raise RuntimeError("no room")
         return len(requests)
 
@@ -502,11 +502,12 @@ def hit_pool(num_blocks: int, victims: list[int]) -> tuple[float, int]:
     keys = [hashes[i] for i in victims]
 
     def run() -> int:
-        get_cached_block, incref, free = pool.get_cached_block, pool.incref, pool.free
+        get_cached_block, touch, free_blocks = (pool.get_cached_block, pool.touch,
+                                                pool.free_blocks)
         for block_hash in keys:
             block = [get_cached_block(block_hash)]
-            incref(block)
-            free(block)
+            touch(block)
+            free_blocks(block)
         return len(keys)
 
     return timed(run)

@@ -53,7 +53,7 @@ def bench_lookups(rng: random.Random) -> list[dict]:
         manager = PrefixCachingKVCacheManager(pool)
         prompt = [rng.randrange(151_936) for _ in range(length)]
         owner = Request("owner", prompt, SamplingParams())
-        assert manager.allocate_slots(owner, length)  # caches every full block
+        assert manager.allocate_slots(owner, length) is not None  # caches every full block
         times = [lookup_seconds(manager, prompt) for _ in range(REPEATS)]
         rows.append({"benchmark": "lookup", "size": length, "engine": "minipaged",
                      "min_us": 1e6 * min(times), "median_us": 1e6 * statistics.median(times),
@@ -65,8 +65,8 @@ def minipaged_hits(pool: PrefixCachingBlockPool, victims: list) -> float:
     """Seconds for HITS hits on free blocks anywhere in the queue, each given back at once."""
     start = time.perf_counter()
     for block in victims:
-        pool.incref([block])  # out of the middle of the free queue
-        pool.free([block])  # and back, still cached
+        pool.touch([block])  # out of the middle of the free queue
+        pool.free_blocks([block])  # and back, still cached
     return time.perf_counter() - start
 
 

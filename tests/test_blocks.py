@@ -82,7 +82,7 @@ def test_num_blocks_must_be_positive():
 
 def test_allocate_hands_out_from_the_head_with_count_one():
     pool = BlockPool(num_blocks=6, block_size=16)
-    blocks = pool.allocate(4)
+    blocks = pool.get_new_blocks(4)
     assert [b.block_id for b in blocks] == [0, 1, 2, 3]
     assert all(b.ref_cnt == 1 for b in blocks)
     assert pool.get_num_free_blocks() == 2
@@ -91,77 +91,77 @@ def test_allocate_hands_out_from_the_head_with_count_one():
 
 def test_a_refused_allocation_changes_nothing():
     pool = BlockPool(num_blocks=6, block_size=16)
-    pool.allocate(4)
+    pool.get_new_blocks(4)
     before = (queue_ids(pool), [b.ref_cnt for b in pool.blocks])
     with pytest.raises(NoFreeBlocksError, match="asked for 3 blocks but only 2"):
-        pool.allocate(3)
+        pool.get_new_blocks(3)
     assert (queue_ids(pool), [b.ref_cnt for b in pool.blocks]) == before
 
 
 def test_allocate_rejects_a_negative_count():
     pool = BlockPool(num_blocks=2, block_size=1)
     with pytest.raises(ValueError, match="n "):
-        pool.allocate(-1)
+        pool.get_new_blocks(-1)
     assert pool.num_allocator_calls == 0
 
 
 def test_only_allocations_that_hand_out_blocks_are_counted():
     pool = BlockPool(num_blocks=3, block_size=4)
-    assert pool.allocate(0) == [] and pool.num_allocator_calls == 0
-    pool.allocate(2)
+    assert pool.get_new_blocks(0) == [] and pool.num_allocator_calls == 0
+    pool.get_new_blocks(2)
     with pytest.raises(NoFreeBlocksError):
-        pool.allocate(2)
+        pool.get_new_blocks(2)
     with pytest.raises(ValueError):
-        pool.allocate(1.0)
+        pool.get_new_blocks(1.0)
     assert pool.num_allocator_calls == 1
-    pool.allocate(1)
+    pool.get_new_blocks(1)
     assert pool.num_allocator_calls == 2
 
 
 def test_free_returns_blocks_to_the_tail_in_the_order_given():
     pool = BlockPool(num_blocks=5, block_size=4)
-    blocks = pool.allocate(3)
-    pool.free([blocks[2], blocks[0], blocks[1]])
+    blocks = pool.get_new_blocks(3)
+    pool.free_blocks([blocks[2], blocks[0], blocks[1]])
     assert queue_ids(pool) == [3, 4, 2, 0, 1]
 
 
 def test_shared_block_returns_only_when_its_last_owner_frees_it():
     pool = BlockPool(num_blocks=4, block_size=4)
-    blocks = pool.allocate(2)
-    pool.incref(blocks[:1])
-    pool.free(blocks)
+    blocks = pool.get_new_blocks(2)
+    pool.touch(blocks[:1])
+    pool.free_blocks(blocks)
     assert blocks[0].ref_cnt == 1 and queue_ids(pool) == [2, 3, 1]
-    pool.free(blocks[:1])
+    pool.free_blocks(blocks[:1])
     assert queue_ids(pool) == [2, 3, 1, 0]
 
 
-def test_incref_on_a_free_block_takes_it_out_of_the_middle_of_the_queue():
+def test_touch_on_a_free_block_takes_it_out_of_the_middle_of_the_queue():
     pool = BlockPool(num_blocks=5, block_size=4)
-    pool.incref([pool.blocks[2]])
+    pool.touch([pool.blocks[2]])
     assert pool.blocks[2].ref_cnt == 1 and queue_ids(pool) == [0, 1, 3, 4]
 
 
 def test_double_free_is_refused_whole():
     pool = BlockPool(num_blocks=3, block_size=4)
-    blocks = pool.allocate(2)
+    blocks = pool.get_new_blocks(2)
     with pytest.raises(ValueError, match="freed more often"):
-        pool.free([blocks[0], blocks[1], blocks[1]])
+        pool.free_blocks([blocks[0], blocks[1], blocks[1]])
     assert [b.ref_cnt for b in blocks] == [1, 1] and queue_ids(pool) == [2]
 
 
-def test_incref_is_all_or_nothing():
+def test_touch_is_all_or_nothing():
     pool = BlockPool(num_blocks=4, block_size=4)
-    pool.allocate(1)
+    pool.get_new_blocks(1)
     with pytest.raises(ValueError, match="blocks: .*block_id=99.* not a block of this pool"):
-        pool.incref([pool.blocks[1], KVCacheBlock(99)])
+        pool.touch([pool.blocks[1], KVCacheBlock(99)])
     assert [b.ref_cnt for b in pool.blocks] == [1, 0, 0, 0] and queue_ids(pool) == [1, 2, 3]
 
 
-@pytest.mark.parametrize("operation", ["free", "incref"])
+@pytest.mark.parametrize("operation", ["free_blocks", "touch"])
 def test_a_block_of_another_pool_is_refused_and_nothing_changes(operation):
     mine, theirs = BlockPool(num_blocks=2, block_size=4), BlockPool(num_blocks=2, block_size=4)
-    own = mine.allocate(1)[0]
-    stranger = theirs.allocate(1)[0]  # the same block_id, 0, but another pool's object
+    own = mine.get_new_blocks(1)[0]
+    stranger = theirs.get_new_blocks(1)[0]  # the same block_id, 0, but another pool's object
     with pytest.raises(ValueError, match="blocks: .* not a block of this pool"):
         getattr(mine, operation)([own, stranger])
     assert own.ref_cnt == 1 and queue_ids(mine) == [1] and mine.get_num_free_blocks() == 1
@@ -171,7 +171,7 @@ def test_a_block_of_another_pool_is_refused_and_nothing_changes(operation):
 def test_the_free_queue_s_sentinels_are_not_blocks_of_the_pool():
     pool = BlockPool(num_blocks=2, block_size=4)
     with pytest.raises(ValueError, match="blocks"):
-        pool.incref([pool.free_block_queue.fake_free_list_head])
+        pool.touch([pool.free_block_queue.fake_free_list_head])
 
 
 def test_table_grows_by_the_difference_in_one_call():
@@ -195,7 +195,7 @@ def test_decode_of_2048_tokens_calls_the_allocator_once_per_block():
 
 def test_slot_is_block_times_size_plus_offset():
     pool = BlockPool(num_blocks=8, block_size=4)
-    pool.allocate(3)  # so that the table's blocks are not 0, 1, 2
+    pool.get_new_blocks(3)  # so that the table's blocks are not 0, 1, 2
     table = BlockTable(pool)
     table.ensure_capacity(10)
     ids = table.block_ids
@@ -228,7 +228,7 @@ def test_slot_mapping_refuses_bounds_that_are_not_counts(start, end, name):
 def test_numpy_positions_give_plain_int_slots():
     np = pytest.importorskip("numpy")
     pool = BlockPool(num_blocks=4, block_size=4)
-    pool.allocate(1)
+    pool.get_new_blocks(1)
     table = BlockTable(pool)
     table.ensure_capacity(8)
     assert table.slot(np.int64(5)) == 9 and type(table.slot(np.int64(5))) is int
@@ -269,7 +269,7 @@ def test_a_finished_sequence_s_last_block_is_the_first_reused():
     table = BlockTable(pool)
     table.ensure_capacity(6)  # blocks 0, 1, 2: the whole pool
     table.free()
-    assert [block.block_id for block in pool.allocate(3)] == [2, 1, 0]
+    assert [block.block_id for block in pool.get_new_blocks(3)] == [2, 1, 0]
 
 
 def test_share_points_a_second_table_at_the_same_blocks():
@@ -329,7 +329,7 @@ class PoolMachine(RuleBasedStateMachine):
         return table
 
     @rule(table=tables, stranger_id=st.integers(0, 23),
-          operation=st.sampled_from(["incref", "free"]))
+          operation=st.sampled_from(["touch", "free_blocks"]))
     def refuse_a_stranger(self, table, stranger_id, operation):
         # a block of another pool among this pool's own: refused whole, nothing changes
         before = ([b.ref_cnt for b in self.pool.blocks], list(self.pool.free_block_queue))
@@ -390,7 +390,7 @@ class PoolMachine(RuleBasedStateMachine):
         assert all(block.ref_cnt == 0 for block in self.pool.blocks)
         ids = [block.block_id for block in self.pool.free_block_queue]
         assert sorted(ids) == list(range(self.pool.num_blocks))
-        self.pool.allocate(self.pool.num_blocks)  # the whole pool can be handed out again
+        self.pool.get_new_blocks(self.pool.num_blocks)  # the whole pool can be handed out again
 
 
 PoolMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40,
@@ -442,7 +442,7 @@ def test_append_n_puts_blocks_at_the_tail_in_the_order_given():
 def test_numpy_counts_are_taken_as_plain_ones():
     np = pytest.importorskip("numpy")
     pool = BlockPool(num_blocks=4, block_size=4)
-    assert [b.block_id for b in pool.allocate(np.int64(2))] == [0, 1]
+    assert [b.block_id for b in pool.get_new_blocks(np.int64(2))] == [0, 1]
     table = BlockTable(pool)
     assert table.ensure_capacity(np.int32(5)) == 2 and table.block_ids == [2, 3]
 
@@ -469,7 +469,7 @@ class ReferencePoolMachine(RuleBasedStateMachine):
         self.free_ids = list(range(12))  # the reference free queue, head first
         self.counts = [0] * 12
         self.tables: list[BlockTable] = []
-        self.loose: list[list] = []  # blocks held through pool.allocate, not by a table
+        self.loose: list[list] = []  # blocks held through pool.get_new_blocks, not by a table
 
     def _take(self, n):
         taken, self.free_ids = self.free_ids[:n], self.free_ids[n:]
@@ -547,9 +547,9 @@ class ReferencePoolMachine(RuleBasedStateMachine):
     def allocate_loose(self, n):
         if n > len(self.free_ids):
             with pytest.raises(NoFreeBlocksError):
-                self.pool.allocate(n)
+                self.pool.get_new_blocks(n)
             return
-        blocks = self.pool.allocate(n)
+        blocks = self.pool.get_new_blocks(n)
         assert [b.block_id for b in blocks] == self._take(n)
         self.loose.append(blocks)
 
@@ -561,7 +561,7 @@ class ReferencePoolMachine(RuleBasedStateMachine):
         blocks = data.draw(st.sampled_from(self.loose))
         self.loose.remove(blocks)
         order = data.draw(st.permutations(blocks))
-        self.pool.free(order)
+        self.pool.free_blocks(order)
         self._give_back([b.block_id for b in order])
 
     @invariant()
@@ -585,3 +585,26 @@ ReferencePoolMachine.TestCase.settings = settings(max_examples=150, stateful_ste
                                                   deadline=None)
 TestReferencePoolMachine = ReferencePoolMachine.TestCase
 TestReferencePoolMachine.pytestmark = [pytest.mark.heavy]  # a stateful search: over a second
+
+
+def test_a_double_free_through_two_ways_in_is_refused_before_any_count_changes():
+    # pool.free_blocks(table.blocks), then table.free(): the table's light path must not drive a
+    # count below zero (which would let the pool hand a still-shared block to a new owner)
+    pool = BlockPool(num_blocks=4, block_size=4)
+    table = BlockTable(pool)
+    table.ensure_capacity(8)
+    other = BlockTable(pool)
+    other.share(table.blocks[:1])  # block 0 held twice, block 1 once
+    pool.free_blocks(table.blocks)
+    before = [b.ref_cnt for b in pool.blocks], [b.block_id for b in pool.free_block_queue]
+    with pytest.raises(ValueError, match="freed more often than held"):
+        table.free()
+    assert ([b.ref_cnt for b in pool.blocks], [b.block_id for b in pool.free_block_queue]) == before
+
+
+def test_get_new_blocks_names_its_count_when_refusing_one():
+    pool = BlockPool(num_blocks=4, block_size=4)
+    for bad in (-1, 1.0, True):
+        with pytest.raises(ValueError, match="num_blocks"):
+            pool.get_new_blocks(bad)
+    assert pool.get_num_free_blocks() == 4

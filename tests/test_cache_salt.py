@@ -85,7 +85,7 @@ def test_different_salts_never_share_a_block(public, steps):
     for index, ((which, tail), salt, keep) in enumerate(steps):
         request = Request(str(index), PREFIXES[which] + tail, SamplingParams(), cache_salt=salt)
         blocks, num_hits = manager.get_computed_blocks(request)
-        assert manager.allocate_slots(request, request.num_tokens - num_hits, blocks)
+        assert manager.allocate_slots(request, request.num_tokens - num_hits, blocks) is not None
         request.num_computed_tokens = request.num_tokens  # the step ran
         held[request.request_id] = request
         salts_of_block: dict[int, set] = {}

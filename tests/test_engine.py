@@ -15,8 +15,9 @@ from hypothesis import strategies as st
 import minipaged.engine
 import minipaged.kernels
 import minipaged.scheduler
+import minipaged.sizing
 from minipaged import LLM, SamplingParams
-from minipaged.engine import BAD_GENERATE_ARGUMENTS, BAD_LLM_OPTIONS
+from minipaged.bad_inputs import BAD_GENERATE_ARGUMENTS, BAD_LLM_OPTIONS
 from minipaged.huggingface import save_pretrained, to_transformers
 from minipaged.model import ModelConfig, random_model
 
@@ -635,7 +636,7 @@ def test_cpu_default_cache_holds_what_the_workload_can_use_and_says_so(model, ca
     assert "max_num_seqs x max_model_len" in llm.cache_size_source
     assert f"12 blocks of 16 tokens, {12 * per_block:,} bytes reserved" in caplog.text
     capped = LLM(model=model, max_num_seqs=10**6, enable_prefix_caching=False)
-    assert capped.llm_engine.pool.num_blocks == minipaged.engine.CPU_KV_CACHE_BYTES // per_block
+    assert capped.llm_engine.pool.num_blocks == minipaged.sizing.CPU_KV_CACHE_BYTES // per_block
     asked = LLM(model=model, max_num_seqs=3, kv_cache_memory_bytes=200 * per_block)
     assert asked.llm_engine.pool.num_blocks == 200  # a size asked for is a size given
 
@@ -645,8 +646,8 @@ def simulated_gpu(monkeypatch):
     """The CPU seen as a GPU of 16 GiB with `free` bytes free (set free[0]), as mem_get_info
     would report it, whose forward pass peaks at 300 MiB: LLM sizes its cache as on a card."""
     free = [16 * 2**30]
-    monkeypatch.setattr(minipaged.engine, "device_memory", lambda device: (free[0], 16 * 2**30))
-    monkeypatch.setattr(minipaged.engine, "peak_forward_bytes", lambda run, device: 300 * 2**20)
+    monkeypatch.setattr(minipaged.sizing, "device_memory", lambda device: (free[0], 16 * 2**30))
+    monkeypatch.setattr(minipaged.sizing, "peak_forward_bytes", lambda run, device: 300 * 2**20)
     return free
 
 
@@ -681,7 +682,7 @@ def test_profiling_out_of_memory_is_a_clear_refusal(model, simulated_gpu, monkey
     def out_of_memory(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
-    monkeypatch.setattr(minipaged.engine, "peak_forward_bytes", out_of_memory)
+    monkeypatch.setattr(minipaged.sizing, "peak_forward_bytes", out_of_memory)
     with pytest.raises(ValueError, match="No available memory to profile a forward pass of "
                                          "max_num_batched_tokens=2048"):
         LLM(model=model)
@@ -733,6 +734,6 @@ def test_host_memory_without_proc_meminfo_falls_back_to_the_physical_memory(monk
 
     monkeypatch.setattr(builtins, "open", no_meminfo)
     monkeypatch.setattr(os, "sysconf", {"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": 1000}.__getitem__)
-    assert minipaged.engine.free_memory_bytes(torch.device("cpu")) == 4096 * 1000
+    assert minipaged.sizing.free_memory_bytes(torch.device("cpu")) == 4096 * 1000
     monkeypatch.delattr(os, "sysconf")  # Windows: neither can be told
-    assert minipaged.engine.free_memory_bytes(torch.device("cpu")) is None
+    assert minipaged.sizing.free_memory_bytes(torch.device("cpu")) is None

@@ -179,7 +179,7 @@ def test_reset_prefix_cache_refuses_while_blocks_are_held():
 def _admit(manager, request):
     blocks, tokens = manager.get_computed_blocks(request)
     ok = manager.can_admit(request, blocks) and manager.allocate_slots(
-        request, request.num_tokens - tokens, blocks)
+        request, request.num_tokens - tokens, blocks) is not None
     if ok:
         request.num_computed_tokens = request.num_tokens  # as if the step had run
     return ok, blocks, tokens
@@ -210,7 +210,7 @@ def test_a_refused_allocation_changes_nothing():
     counts = [b.ref_cnt for b in pool.blocks]
     free, queue = pool.get_num_free_blocks(), [b.block_id for b in pool.free_block_queue]
     assert not manager.can_admit(later, blocks)  # 8 blocks wanted, 6 in the pool
-    assert not manager.allocate_slots(later, later.num_tokens - tokens, blocks)
+    assert manager.allocate_slots(later, later.num_tokens - tokens, blocks) is None
     assert [b.ref_cnt for b in pool.blocks] == counts and pool.get_num_free_blocks() == free
     assert [b.block_id for b in pool.free_block_queue] == queue
     assert later.request_id not in manager.block_tables
@@ -233,7 +233,7 @@ def test_free_hit_blocks_count_as_capacity_they_use_up():
 def test_the_plain_manager_is_unchanged_without_hits():
     manager = KVCacheManager(BlockPool(num_blocks=4, block_size=16))
     request = Request("r", list(range(70)), SamplingParams())
-    assert not manager.can_admit(request) and not manager.allocate_slots(request, 70)
+    assert not manager.can_admit(request) and manager.allocate_slots(request, 70) is None
     assert manager.block_tables == {}
 
 
@@ -390,13 +390,13 @@ def test_blocks_cached_for_a_step_that_never_ran_are_forgotten_on_free():
     pool = PrefixCachingBlockPool(num_blocks=8, block_size=4)
     manager = PrefixCachingKVCacheManager(pool)
     request = Request("a", list(range(12)), SamplingParams())
-    assert manager.allocate_slots(request, 12)  # cached at allocation: three full blocks
+    assert manager.allocate_slots(request, 12) is not None  # cached at allocation: 3 full blocks
     assert len(pool.cached_block_hash_to_block) == 3
     manager.free(request)  # withdrawn before the model ran: num_computed_tokens is still 0
     assert pool.cached_block_hash_to_block == {}
     assert all(b.block_hash is None for b in pool.blocks)
     done = Request("b", list(range(12)), SamplingParams())
-    assert manager.allocate_slots(done, 12)
+    assert manager.allocate_slots(done, 12) is not None
     done.num_computed_tokens = 12  # the step ran
     manager.free(done)
     assert len(pool.cached_block_hash_to_block) == 3  # what it computed stays findable
@@ -413,12 +413,12 @@ def test_decoding_caches_each_block_at_the_step_it_fills_and_hashes_nothing_betw
     pool = PrefixCachingBlockPool(num_blocks=16, block_size=4)
     manager = PrefixCachingKVCacheManager(pool)
     request = Request("a", [1, 2, 3], SamplingParams())
-    assert manager.allocate_slots(request, 3)
+    assert manager.allocate_slots(request, 3) is not None
     request.num_computed_tokens = 3
     for token in range(10, 24):  # one token a step, as a decode does
         request.append_output_token(token)
         calls.clear()
-        assert manager.allocate_slots(request, 1)
+        assert manager.allocate_slots(request, 1) is not None
         request.num_computed_tokens += 1
         filled = request.num_computed_tokens % 4 == 0
         assert len(calls) == (1 if filled else 0)
@@ -426,3 +426,25 @@ def test_decoding_caches_each_block_at_the_step_it_fills_and_hashes_nothing_betw
         assert len(pool.cached_block_hash_to_block) == request.num_computed_tokens // 4
     table = manager.get_block_table(request)
     assert [b.block_hash for b in table.blocks[:4]] == request.block_hashes[:4]
+
+
+def test_prepend_n_keeps_the_given_order_at_the_head():
+    # vLLM's FreeKVCacheBlockQueue.prepend_n: the first block given ends at the very head
+    from minipaged.blocks import KVCacheBlock
+    from minipaged.prefix_cache import EvictionOrderQueue
+
+    blocks = [KVCacheBlock(i) for i in range(6)]
+    queue = EvictionOrderQueue(blocks[:3])
+    queue.prepend_n(blocks[3:])
+    assert [b.block_id for b in queue] == [3, 4, 5, 0, 1, 2] and len(queue) == 6
+    assert all(b.free_queue is queue for b in blocks)
+    assert queue.popleft_n(6) == blocks[3:] + blocks[:3]
+    queue.prepend_n([])
+    assert len(queue) == 0 and list(queue) == []
+
+
+def test_hashless_blocks_freed_in_one_call_reach_the_head_in_the_order_given():
+    pool = PrefixCachingBlockPool(num_blocks=6, block_size=4)
+    taken = pool.get_new_blocks(3)
+    pool.free_blocks(taken)  # none has a hash: all to the head, keeping the given order
+    assert [b.block_id for b in pool.free_block_queue][:3] == [b.block_id for b in taken]

@@ -10,8 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minipaged import LLM
+from minipaged.bad_inputs import BAD_SAMPLING_PARAMS
 from minipaged.model import ModelConfig, random_model
-from minipaged.sampling import BAD_SAMPLING_PARAMS, SamplingParams, filter_top_k_top_p, sample
+from minipaged.sampling import SamplingParams, filter_top_k_top_p, sample
 
 
 @pytest.mark.parametrize("field, value", [("max_tokens", 0), ("max_tokens", -3),

@@ -171,15 +171,15 @@ def test_allocate_slots_builds_a_table_only_when_it_is_missing(monkeypatch):
     monkeypatch.setattr(CountedTable, "built", 0)
     manager = KVCacheManager(BlockPool(num_blocks=8, block_size=4))
     r = request("a", 3)
-    assert manager.allocate_slots(r, 3) and CountedTable.built == 1
+    assert manager.allocate_slots(r, 3) is not None and CountedTable.built == 1
     table = manager.get_block_table(r)
     r.num_computed_tokens = 3
     for _ in range(6):  # decode steps: one needing nothing, then one crossing into block 2...
-        assert manager.allocate_slots(r, 1)
+        assert manager.allocate_slots(r, 1) is not None
         r.num_computed_tokens += 1
     assert CountedTable.built == 1 and manager.get_block_table(r) is table
     assert table.block_ids == [0, 1, 2] and manager.pool.num_allocator_calls == 3
-    assert manager.allocate_slots(r, 0) and CountedTable.built == 1  # nothing new, nothing built
+    assert manager.allocate_slots(r, 0) == [] and CountedTable.built == 1  # nothing new, none built
 
 
 @pytest.mark.parametrize("num_new_tokens", [-1, 1.5, True, "3", None])
@@ -189,7 +189,7 @@ def test_allocate_slots_refuses_a_count_that_is_not_one_before_changing_anything
     manager = KVCacheManager(BlockPool(num_blocks=4, block_size=4))
     r = request("a", 6)
     if running:
-        assert manager.allocate_slots(r, 4)
+        assert manager.allocate_slots(r, 4) is not None
         r.num_computed_tokens = 4
     before = (dict(manager.block_tables), manager.pool.get_num_free_blocks(),
               manager.pool.num_allocator_calls)
@@ -203,7 +203,7 @@ def test_allocate_slots_takes_numpy_counts_as_plain_ones():
     np = pytest.importorskip("numpy")
     manager = KVCacheManager(BlockPool(num_blocks=4, block_size=4))
     r = request("a", 6)
-    assert manager.allocate_slots(r, np.int64(6))
+    assert manager.allocate_slots(r, np.int64(6)) is not None
     assert manager.get_block_table(r).block_ids == [0, 1]
 
 
@@ -211,13 +211,13 @@ def test_allocate_slots_takes_numpy_counts_as_plain_ones():
 def test_a_short_pool_refuses_whole_on_both_paths(running):
     manager = KVCacheManager(BlockPool(num_blocks=3, block_size=4))
     other = request("other", 4)
-    assert manager.allocate_slots(other, 4)  # one block held by someone else
+    assert manager.allocate_slots(other, 4) is not None  # one block held by someone else
     r = request("a", 9)
     if running:
-        assert manager.allocate_slots(r, 4)
+        assert manager.allocate_slots(r, 4) is not None
         r.num_computed_tokens = 4
     held = manager.block_tables.get("a") and manager.get_block_table(r).block_ids
-    assert not manager.allocate_slots(r, 9)  # would need 3 or 4 blocks in all
+    assert manager.allocate_slots(r, 9) is None  # would need 3 or 4 blocks in all
     assert (manager.block_tables.get("a") and manager.get_block_table(r).block_ids) == held
     assert ("a" in manager.block_tables) is running
     assert manager.pool.get_num_free_blocks() == (1 if running else 2)
@@ -232,7 +232,7 @@ def test_the_hot_path_agrees_with_the_counting_path():
             num_new = 1 + (step * (i + 3)) % 11
             predicted = manager.get_num_blocks_to_allocate(r, r.num_computed_tokens + num_new)
             free = manager.pool.get_num_free_blocks()
-            assert manager.allocate_slots(r, num_new) is (predicted <= free)
+            assert (manager.allocate_slots(r, num_new) is not None) is (predicted <= free)
             if predicted <= free:
                 assert manager.pool.get_num_free_blocks() == free - predicted
                 assert len(manager.get_block_table(r).blocks) == -(

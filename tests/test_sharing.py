@@ -176,7 +176,7 @@ def forked_pair(base=KVCacheManager, num_blocks=8, prompt=6, block_size=4):
     params = SamplingParams(max_tokens=4)
     parent, child = Request("p", list(range(prompt)), params), Request("c", list(range(prompt)),
                                                                       params)
-    assert manager.allocate_slots(parent, prompt)
+    assert manager.allocate_slots(parent, prompt) is not None
     parent.num_computed_tokens = child.num_computed_tokens = prompt
     manager.fork(parent, child)
     parent.append_output_token(1)
@@ -189,10 +189,10 @@ def test_copy_on_write_copies_the_shared_block_before_the_write(base):
     manager, parent, child = forked_pair(base)
     shared = manager.block_tables["p"].blocks[1]  # positions 4-5 written, 6 is next
     assert shared.ref_cnt == 2
-    assert manager.allocate_slots(child, 1)
+    assert manager.allocate_slots(child, 1) is not None
     copy = manager.block_tables["c"].blocks[1]
     assert shared.ref_cnt == 2  # the parent, and the copy still to be made
-    assert manager.allocate_slots(parent, 1)  # the last holder writes in place
+    assert manager.allocate_slots(parent, 1) is not None  # the last holder writes in place
     flush_copies(manager)  # the engine does this just before the forward pass
     assert copy is not shared and copy.ref_cnt == 1 and shared.ref_cnt == 1
     layer = manager.kv_cache.layers[0]
@@ -227,7 +227,7 @@ def test_a_refused_copy_changes_nothing():
     manager, parent, child = forked_pair(num_blocks=2, prompt=6)  # both blocks held, none free
     tables = {k: list(t.blocks) for k, t in manager.block_tables.items()}
     counts = [b.ref_cnt for b in manager.pool.blocks]
-    assert not manager.allocate_slots(child, 1)
+    assert manager.allocate_slots(child, 1) is None
     assert {k: list(t.blocks) for k, t in manager.block_tables.items()} == tables
     assert [b.ref_cnt for b in manager.pool.blocks] == counts and manager.num_copied_blocks == 0
 

@@ -283,8 +283,10 @@ class Ledger(Walker):
     def __init__(self, chapter: str, total_bytes: int, context_bytes: int) -> None:
         import minipaged.engine
         import minipaged.model
+        import minipaged.sizing
 
         self.engine_module, self.ModelConfig = minipaged.engine, minipaged.model.ModelConfig
+        self.sizing_module = minipaged.sizing
         self.result = ChapterLedger(chapter)
         self.total_bytes, self.context_bytes = total_bytes, context_bytes
         self.qwen = qwen_config()
@@ -456,7 +458,6 @@ class Ledger(Walker):
     def engine(self, model: Allocation, options: dict, what: str,
                num_blocks=None) -> Allocation | Unknown:
         """Size an engine as LLM does, on the simulated card, and book its cache."""
-        engine = self.engine_module
         if not model.on_device:
             return self.allocate(Allocation(what, 0, False, model=model))
         config, block_size = model.config, options.get("block_size", 16)
@@ -482,7 +483,7 @@ class Ledger(Walker):
             if num_blocks is None:
                 num_blocks = options.get("num_gpu_blocks_override")
             if num_blocks is None:
-                num_blocks = engine.num_cache_blocks(
+                num_blocks = self.sizing_module.num_cache_blocks(
                     block_bytes, block_size, longest, max_num_seqs,
                     options.get("gpu_memory_utilization", 0.9),
                     options.get("kv_cache_memory_bytes"), (free, self.total_bytes),
