@@ -427,3 +427,17 @@ def test_a_chapter_importing_only_a_subclass_is_selected_when_the_base_class_cha
                         "chapters/03_user.ipynb"]  # 03 through minipaged.cached; 04 imports none
     result = nbval(repo, selected, env)  # so make check runs the chapter the change broke
     assert result.returncode != 0 and "03_user.ipynb::Cell 1" in result.stdout
+
+
+@pytest.mark.heavy  # a subprocess or a scratch repository: seconds
+def test_a_failing_cell_under_nbval_names_its_chapter_line(tmp_path):
+    failing = TINY_CHAPTER.replace("assert blocks_needed(17, 16) == 2",
+                                   "total = 17\nassert blocks_needed(total, 16) == 3")
+    repo = tiny_book(tmp_path, {"01_tiny.md": failing})
+    shutil.copy(ROOT / "conftest.py", repo)  # the hook under test
+    env = {key: value for key, value in os.environ.items() if key != "MINIPAGED_SHARE_EXECUTION"}
+    result = nbval(repo, ["chapters/01_tiny.ipynb"], env)
+    assert result.returncode == 1
+    start = line_of(repo / "chapters" / "01_tiny.md", "total = 17")
+    assert f"chapters/01_tiny.md:{start}: Cell 1 of the twin starts here" in result.stdout
+    assert f"the line that failed is chapters/01_tiny.md:{start + 1}" in result.stdout
