@@ -52,16 +52,17 @@ test: $(STAMP)
 	$(BIN)/python tools/tangle.py --check
 	$(BIN)/python -m pytest tests chapters --nbval-lax -m "not slow" -q
 
-## The loop after each edit: package and twins in sync, lint, the quick unit tests, then every
-## chapter changed since $(BASE) under nbval (see check-chapters).
+## The loop after each edit: package and twins in sync, lint (at chapter lines), the quick unit
+## tests, then every chapter changed since $(BASE) under nbval (see check-chapters).
 check: $(STAMP)
 	$(BIN)/python tools/tangle.py --check
-	$(BIN)/ruff check minipaged tests tools bench
+	$(BIN)/python tools/lint.py
 	$(BIN)/python -m pytest tests -m "not slow and not heavy" -q -x
 	$(MAKE) --no-print-directory check-chapters
 
 ## Run under nbval every chapter whose source or modules changed since the merge base with
-## $(BASE) (committed or not), and every chapter that imports one of those modules.
+## $(BASE) (committed or not), and every chapter that imports one of those modules or a module
+## that depends on one (the package's import graph). A failing cell names its chapter's .md line.
 check-chapters: $(STAMP)
 	$(BIN)/python tools/tangle.py --check
 	@chapters="$$($(BIN)/python tools/tangle.py --changed-since $(BASE))"; \
@@ -73,8 +74,10 @@ check-chapters: $(STAMP)
 tangle: $(STAMP)
 	$(BIN)/python tools/tangle.py
 
+## ruff over minipaged, tests, tools and bench; a finding in a generated module is named at its
+## chapter line (tools/lint.py).
 lint: $(STAMP)
-	$(BIN)/ruff check minipaged tests tools bench
+	$(BIN)/python tools/lint.py
 
 bench: $(STAMP)
 	for script in bench/*.py; do $(BIN)/python $$script || exit 1; done

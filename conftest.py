@@ -10,8 +10,14 @@ Each chapter's kernel is started with MINIPAGED_CHAPTER naming the chapter, so t
 glues are recorded under its name in ``_build/measured/`` (chapter 1's runtime helper), where
 chapter 12 reads them. A session that runs every chapter sets MINIPAGED_REQUIRE_MEASURED, and
 chapter 12 then fails on any figure of the study that no chapter of this session measured.
+
+A failing cell's report starts with the chapter line the cell starts on (and the line that
+failed, when the traceback names it): nbval knows only the twin's cell number.
 """
+import importlib.util
 import os
+import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -59,9 +65,48 @@ def pytest_runtest_makereport(item, call):
     notebook_file = item.parent
     if report.failed:
         notebook_file._minipaged_failed = True
+        if place := chapter_place(item, call.excinfo.value if call.excinfo else None):
+            report.longrepr = f"{place}\n\n{report.longrepr}"
     elif item.test_outputs is not None:
         item.cell.outputs = item.test_outputs
         item.cell.execution_count = item.cell_num + 1
+
+
+def tangle_tool():
+    """tools/tangle.py, imported (it finds where each code cell starts in a chapter)."""
+    if "tangle" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("tangle", ROOT / "tools" / "tangle.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["tangle"] = module  # dataclasses look their module up there
+        spec.loader.exec_module(module)
+    return sys.modules["tangle"]
+
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+CELL_FRAME = re.compile(r"Cell In\[\d+\], line (\d+)")  # IPython's name for the cell's frame
+
+
+def chapter_place(item, error) -> str | None:
+    """Where a twin's failing code cell sits in its chapter: "chapters/NN_slug.md:LINE", the line
+    its code starts on, and the line that failed when the traceback names one. None for a
+    notebook without a chapter beside it, or a twin out of step with its chapter."""
+    chapter = Path(str(item.parent.fspath)).with_suffix(".md")
+    if not chapter.exists():
+        return None
+    sources = [cell.source for cell in item.parent.nb.cells if cell.cell_type == "code"]
+    try:
+        start = tangle_tool().code_cell_lines(chapter, sources)[item.cell_num]
+    except (SystemExit, IndexError):  # the fences and the twin's cells disagree: run tangle
+        return None
+    try:
+        name = chapter.relative_to(item.config.rootpath).as_posix()
+    except ValueError:
+        name = str(chapter)
+    place = f"{name}:{start}: Cell {item.cell_num} of the twin starts here"
+    frame = CELL_FRAME.search(ANSI.sub("", getattr(error, "inner_traceback", None) or ""))
+    if frame and int(frame.group(1)) > 1:
+        place += f"; the line that failed is {name}:{start + int(frame.group(1)) - 1}"
+    return place + " (edit the chapter, then run `make tangle`)"
 
 
 def pytest_sessionfinish(session):

@@ -2,6 +2,7 @@
 the chapter line to edit, and tangle must never silently drop an edit made to a generated file."""
 import importlib.util
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -290,9 +291,10 @@ def git(repo: Path, *args: str) -> str:
                            *args], check=True, capture_output=True, text=True).stdout
 
 
-def nbval(repo: Path, twins: list[str]) -> subprocess.CompletedProcess:
+def nbval(repo: Path, twins: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "pytest", *twins, "--nbval-lax", "-q",
-                           "-p", "no:cacheprovider"], cwd=repo, capture_output=True, text=True)
+                           "-p", "no:cacheprovider"], cwd=repo, capture_output=True, text=True,
+                          env=env)
 
 
 def tiny_book(repo: Path, chapters: dict[str, str]) -> Path:
@@ -392,3 +394,50 @@ def test_the_repository_docs_stand_on_their_own():
     for rule in ("glue", "runtime.pick", "add_to_class", "check_integer", "14.6 GiB",
                  "make check-chapters", "Where this lives in vLLM"):
         assert rule in contributing, rule
+
+
+BASE_CHAPTER = TINY_CHAPTER.replace("tiny", "base").replace(
+    "def blocks_needed(num_tokens: int, block_size: int) -> int:\n"
+    "    return -(-num_tokens // block_size)",
+    "class Pool:\n    def free_count(self) -> int:\n        return 4").replace(
+    "assert blocks_needed(17, 16) == 2", "assert Pool().free_count() == 4")
+SUBCLASS_CHAPTER = BASE_CHAPTER.replace("base", "cached").replace(
+    "class Pool:\n    def free_count(self) -> int:\n        return 4",
+    "from minipaged.base import Pool\n\n\nclass CachedPool(Pool):\n    pass").replace(
+    "Pool().free_count()", "CachedPool().free_count()")
+# Imports only the subclass's module: its text never names minipaged.base.
+USER_CHAPTER = OTHER_CHAPTER.replace(
+    "assert unrelated(17, 16) == 2",
+    "from minipaged.cached import CachedPool\n\nassert CachedPool().free_count() == 4")
+
+
+@pytest.mark.heavy  # a subprocess or a scratch repository: seconds
+def test_a_chapter_importing_only_a_subclass_is_selected_when_the_base_class_changes(tmp_path):
+    repo = tiny_book(tmp_path, {"01_base.md": BASE_CHAPTER, "02_cached.md": SUBCLASS_CHAPTER,
+                                "03_user.md": USER_CHAPTER,
+                                "04_last.md": OTHER_CHAPTER.replace("other", "last")})
+    env = {**os.environ, "PYTHONPATH": str(repo)}  # the kernels import the scratch package
+    assert nbval(repo, ["chapters/03_user.ipynb"], env).returncode == 0  # passes as written
+    # Rename the base class's method in its exported cell and its own demo, as a maintainer would.
+    chapter = repo / "chapters" / "01_base.md"
+    chapter.write_text(BASE_CHAPTER.replace("free_count", "num_free_blocks"))
+    assert tangle(repo).returncode == 0
+    selected = tangle(repo, "--changed-since", "main").stdout.split()
+    assert selected == ["chapters/01_base.ipynb", "chapters/02_cached.ipynb",
+                        "chapters/03_user.ipynb"]  # 03 through minipaged.cached; 04 imports none
+    result = nbval(repo, selected, env)  # so make check runs the chapter the change broke
+    assert result.returncode != 0 and "03_user.ipynb::Cell 1" in result.stdout
+
+
+@pytest.mark.heavy  # a subprocess or a scratch repository: seconds
+def test_a_failing_cell_under_nbval_names_its_chapter_line(tmp_path):
+    failing = TINY_CHAPTER.replace("assert blocks_needed(17, 16) == 2",
+                                   "total = 17\nassert blocks_needed(total, 16) == 3")
+    repo = tiny_book(tmp_path, {"01_tiny.md": failing})
+    shutil.copy(ROOT / "conftest.py", repo)  # the hook under test
+    env = {key: value for key, value in os.environ.items() if key != "MINIPAGED_SHARE_EXECUTION"}
+    result = nbval(repo, ["chapters/01_tiny.ipynb"], env)
+    assert result.returncode == 1
+    start = line_of(repo / "chapters" / "01_tiny.md", "total = 17")
+    assert f"chapters/01_tiny.md:{start}: Cell 1 of the twin starts here" in result.stdout
+    assert f"the line that failed is chapters/01_tiny.md:{start + 1}" in result.stdout

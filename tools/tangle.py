@@ -27,6 +27,7 @@ install line and its error message) to that one, so a fork sets its address ther
 from __future__ import annotations
 
 import argparse
+import ast
 import difflib
 import hashlib
 import re
@@ -387,10 +388,88 @@ def refusals(expected: dict[Path, str]) -> list[str]:
     return refused
 
 
+def imported_modules(source: str) -> set[str]:
+    """The names under ``minipaged`` that a piece of Python imports or reads, at any depth
+    (function-level imports too): ``memory`` for ``from minipaged.memory import x``,
+    ``import minipaged.memory``, ``from minipaged import memory``, ``from .memory import x``,
+    ``from . import memory`` or ``minipaged.memory.x``; ``LLM`` for ``from minipaged import LLM``
+    (a name the package's ``__init__`` re-exports). A bare ``import minipaged`` names nothing."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # from .memory import x, or from . import memory
+                names = [f"minipaged.{node.module}"] if node.module else [
+                    f"minipaged.{alias.name}" for alias in node.names]
+            elif node.module == "minipaged":
+                names = [f"minipaged.{alias.name}" for alias in node.names]
+            else:
+                names = [node.module or ""]
+        elif (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+              and node.value.id == "minipaged"):
+            names = [f"minipaged.{node.attr}"]  # import minipaged.kernels; minipaged.kernels.f
+        else:
+            continue
+        found |= {name.split(".")[1] for name in names if name.startswith("minipaged.")}
+    return found
+
+
+def cell_code(source: str) -> str:
+    """A code cell's Python: IPython's magics and shell lines (%pip, !ls) dropped."""
+    return "\n".join(line for line in source.splitlines()
+                     if not line.lstrip().startswith(("%", "!")))
+
+
+def package_module(name: str, modules: set[str]) -> str:
+    """The package's module a name under ``minipaged`` comes from: itself when it is a module,
+    else ``__init__`` (``LLM`` is one of the names the package's __init__ makes)."""
+    return name if name in modules else "__init__"
+
+
+def import_graph(package: Path) -> dict[str, set[str]]:
+    """Each module of the package, ``__init__`` included, mapped to the package's modules it
+    imports. Every import statement counts, at any depth, and so do imports made only for their
+    side effects (``from . import prefix_cache  # noqa: F401`` in __init__)."""
+    modules = {path.stem for path in package.glob("*.py")}
+    graph = {}
+    for path in sorted(package.glob("*.py")):
+        names = imported_modules(path.read_text())
+        graph[path.stem] = {package_module(name, modules) for name in names} - {path.stem}
+    return graph
+
+
+def dependents(graph: dict[str, set[str]], changed: set[str]) -> set[str]:
+    """The changed modules, and every module that imports one of them, directly or through
+    other modules (a subclass's module, then the modules that import that one, ...)."""
+    affected = set(changed)
+    while more := {module for module, targets in graph.items() if targets & affected} - affected:
+        affected |= more
+    return affected
+
+
+def chapter_imports(chapter: Path, modules: set[str]) -> set[str]:
+    """The package's modules a chapter's own code cells import (``__init__`` for
+    ``from minipaged import LLM``). The setup cell's bare ``import minipaged`` counts for nothing:
+    every chapter has it, and it uses no name of the package."""
+    found = set()
+    for cell in jupytext.read(chapter).cells:
+        if cell.cell_type != "code":
+            continue
+        try:
+            names = imported_modules(cell_code(cell.source))
+        except SyntaxError:
+            continue  # a cell that is not Python fails in its own chapter's run, if anywhere
+        found |= {package_module(name, modules) for name in names}
+    return found
+
+
 def changed_since(base: str) -> list[Path]:
     """The .ipynb twins of the chapters to run: those whose source changed since `base` (the
     merge base of HEAD and `base`, plus uncommitted and untracked changes), those whose
-    generated modules changed, and those whose cells import a module whose code changed."""
+    generated modules changed, and those whose cells import a module whose code changed or a
+    module that depends on one, through the package's import graph (a chapter that imports only
+    a subclass's module runs when the base class's module changes)."""
     def git(*args: str) -> str:
         return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True,
                               check=True).stdout
@@ -407,18 +486,22 @@ def changed_since(base: str) -> list[Path]:
     owner = {f"minipaged/{m.name}.py": m.chapter for m in modules.values()}
     touched = {rel(c) for c in chapters if rel(c) in changed}
     touched |= {owner[path] for path in changed if path in owner}
-    # A module whose code changed also sends every chapter that imports it; markers that moved
-    # because prose was added above a cell are not a change of code.
+    # A module whose code changed also sends every chapter that imports it, or imports a module
+    # that depends on it; markers that moved because prose was added above a cell are not a
+    # change of code.
     def code_changed(path: str) -> bool:
         before = subprocess.run(["git", "-C", str(ROOT), "show", f"{merge_base}:{path}"],
                                 capture_output=True, text=True).stdout
         return code_only(before) != code_only((ROOT / path).read_text())
 
-    changed_modules = {path[len("minipaged/"):-3] for path in changed
-                       if path in owner and (ROOT / path).exists() and code_changed(path)}
-    uses = re.compile(r"\bminipaged\.(" + "|".join(sorted(changed_modules)) + r")\b")
+    generated = set(owner) | {"minipaged/__init__.py"}
+    changed_modules = {path[len("minipaged/"):-3] for path in changed if path in generated
+                       and (not (ROOT / path).exists() or code_changed(path))}  # or deleted
+    package = ROOT / "minipaged"
+    affected = dependents(import_graph(package), changed_modules) if changed_modules else set()
+    names = {path.stem for path in package.glob("*.py")}
     selected = [c for c in chapters
-                if rel(c) in touched or (changed_modules and uses.search(c.read_text()))]
+                if rel(c) in touched or (affected and chapter_imports(c, names) & affected)]
     return [chapter.with_suffix(".ipynb") for chapter in selected]
 
 
