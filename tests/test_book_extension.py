@@ -59,3 +59,18 @@ def test_an_incremental_build_rereads_chapter_12_with_any_other_chapter():
     assert reread(None, Env, set(), {"chapters/04_kv_cache"}, set()) == [
         minipaged_book.READS_THE_RECORDS]
     assert reread(None, Env, set(), {"book/intro"}, set()) == []
+
+
+def test_the_book_skips_every_virtualenv_the_makefile_builds():
+    # Sphinx reads every .md and .rst under the repository unless told not to; a virtualenv's
+    # package READMEs then become "document isn't included in any toctree" warnings, errors here.
+    import re
+
+    import yaml
+
+    root = Path(__file__).resolve().parent.parent
+    makefile = (root / "Makefile").read_text()
+    venvs = {re.search(r"^VENV := (\S+)", makefile, re.M).group(1),
+             re.search(r"^MIN_VENV := (\S+)", makefile, re.M).group(1)}
+    excluded = yaml.safe_load((root / "_config.yml").read_text())["exclude_patterns"]
+    assert {f"{venv}/*" for venv in venvs} <= set(excluded), (venvs, excluded)
