@@ -277,3 +277,25 @@ def test_eviction_reads_the_victims_blocks_through_salts(model):
     with pytest.raises(ValueError, match="max_model_len"):
         eviction_probes(LLM(model=model, max_model_len=128, num_gpu_blocks_override=16), [5],
                         np.random.default_rng(2))
+
+
+@pytest.mark.parametrize("bad", ["", "\ud800", "a\udfffb", 3])
+def test_a_request_built_directly_follows_the_llm_salt_rule(model, bad):
+    """One rule for LLM, LLMEngine and Request: an empty salt is refused, not read as none,
+    and a string with no UTF-8 bytes is a ValueError naming cache_salt."""
+    with pytest.raises(ValueError, match="cache_salt"):
+        Request("r", [1, 2, 3], ONE, cache_salt=bad)
+    llm = LLM(model=model, max_model_len=128)
+    with pytest.raises(ValueError, match="cache_salt"):
+        llm.generate({"prompt_token_ids": [1, 2, 3], "cache_salt": bad}, ONE, use_tqdm=False)
+    with pytest.raises(ValueError, match="cache_salt"):
+        llm.llm_engine.add_request("r", [1, 2, 3], ONE, cache_salt=bad)
+    assert not llm.llm_engine.requests and llm._next_id == 0
+
+
+def test_a_misspelt_salt_key_is_refused_not_run_unsalted(model):
+    llm = LLM(model=model, max_model_len=128)
+    with pytest.raises(ValueError, match="'cache-salt'"):
+        llm.generate({"prompt_token_ids": list(range(40)), "cache-salt": "t"}, ONE,
+                     use_tqdm=False)
+    assert llm.llm_engine.stats()["prefix_cache_queries"] == 0 and llm._next_id == 0

@@ -737,3 +737,45 @@ def test_host_memory_without_proc_meminfo_falls_back_to_the_physical_memory(monk
     assert minipaged.sizing.free_memory_bytes(torch.device("cpu")) == 4096 * 1000
     monkeypatch.delattr(os, "sysconf")  # Windows: neither can be told
     assert minipaged.sizing.free_memory_bytes(torch.device("cpu")) is None
+
+
+# ---------------------------------------------------------------- issue 26's small items
+
+
+def test_two_ways_of_sizing_the_cache_together_are_refused_by_name(model, guarded):
+    before = engine_state(guarded)
+    with pytest.raises(ValueError, match=r"num_gpu_blocks_override=8 and "
+                                         r"kv_cache_memory_bytes=\d+ both size the cache"):
+        LLM(model=model, num_gpu_blocks_override=8, kv_cache_memory_bytes=2**20)
+    assert engine_state(guarded) == before
+    finish_kept(guarded, model)
+
+
+def test_a_step_with_nothing_to_do_returns_nothing_and_counts_nothing(model):
+    engine = LLM(model=model, max_model_len=64, num_gpu_blocks_override=8).llm_engine
+    assert engine.step() == [] and engine.stats()["num_steps"] == 0
+    engine.add_request("r", [1, 2], SamplingParams(temperature=0, max_tokens=1))
+    assert [r.request_id for r in engine.step()] == ["r"]
+    assert engine.step() == [] and engine.stats()["num_steps"] == 1
+
+
+def test_the_id_of_a_live_prompt_with_n_children_is_taken(model):
+    llm = LLM(model=model, max_model_len=64, num_gpu_blocks_override=8)
+    engine = llm.llm_engine
+    engine.add_request("y", [1, 2], SamplingParams(n=2, temperature=0, max_tokens=2))
+    before = engine_state(llm)
+    with pytest.raises(ValueError, match="request_id 'y' is already in the engine"):
+        engine.add_request("y", [3, 4], SamplingParams(temperature=0))
+    assert engine_state(llm) == before
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.add_request("y", [3, 4], SamplingParams(temperature=0))  # free again once finished
+
+
+def test_a_vllm_prompt_key_minipaged_does_not_serve_is_refused_by_name(model):
+    llm = LLM(model=model, max_model_len=64, num_gpu_blocks_override=8)
+    for key in ("token_type_ids", "multi_modal_data", "mm_processor_kwargs",
+                "multi_modal_uuids"):
+        with pytest.raises(ValueError, match=f"'{key}': a vLLM prompt key"):
+            llm.generate({"prompt_token_ids": [1], key: None}, use_tqdm=False)
+    assert not llm.llm_engine.requests and llm._next_id == 0

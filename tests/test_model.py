@@ -143,6 +143,7 @@ def test_config_refuses_what_it_cannot_run(change, field):
     ({"num_attention_heads": 0}, "num_attention_heads"),
     ({"eos_token_id": []}, "eos_token_id"),  # once an IndexError
     ({"eos_token_id": -1}, "eos_token_id"),
+    ({"eos_token_id": QWEN_CONFIG["vocab_size"]}, "eos_token_id"),  # once accepted
 ])
 def test_config_refuses_present_zeros_and_empty_lists(change, field):
     with pytest.raises(ValueError, match=field):
@@ -521,6 +522,8 @@ def test_forward_refuses_mismatched_inputs(model, config):
         model(torch.tensor([1, 2, 3]), metadata, cache)
     with pytest.raises(ValueError, match="vocab_size"):
         model(torch.tensor([1, config.vocab_size]), metadata, cache)
+    with pytest.raises(ValueError, match="input_ids must be a tensor of token ids"):
+        model(torch.tensor([1.0, 2.0]), metadata, cache)  # once embedded as a type error
     with pytest.raises(ValueError, match="layers"):
         model(torch.tensor([1, 2]), metadata, KVCache(1, 1, BLOCK_SIZE, 2, 64))
     with pytest.raises(ValueError, match="KV heads"):

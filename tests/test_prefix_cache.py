@@ -448,3 +448,20 @@ def test_hashless_blocks_freed_in_one_call_reach_the_head_in_the_order_given():
     taken = pool.get_new_blocks(3)
     pool.free_blocks(taken)  # none has a hash: all to the head, keeping the given order
     assert [b.block_id for b in pool.free_block_queue][:3] == [b.block_id for b in taken]
+
+
+def test_a_readmitted_request_counts_only_under_preempted_as_in_vllm():
+    """Admit, preempt, readmit one request: vLLM's PrefixCacheStats.record counts the first
+    admission in requests/queries/hits and the return in preempted_* alone."""
+    manager = PrefixCachingKVCacheManager(PrefixCachingBlockPool(8, 16))
+    request = Request("r", list(range(20)), SamplingParams(temperature=0))
+    blocks, hits = manager.get_computed_blocks(request)
+    assert manager.allocate_slots(request, request.num_tokens - hits, blocks) is not None
+    request.num_computed_tokens = request.num_tokens  # the model ran: its full block is cached
+    manager.free(request)
+    request.num_computed_tokens, request.num_preemptions = 0, 1  # chapter 7's preemption
+    blocks, hits = manager.get_computed_blocks(request)
+    assert hits == 16 and manager.allocate_slots(request, request.num_tokens - hits, blocks)
+    stats = manager.prefix_cache_stats
+    assert (stats.requests, stats.queries, stats.hits) == (1, 20, 0)
+    assert (stats.preempted_requests, stats.preempted_queries, stats.preempted_hits) == (1, 20, 16)

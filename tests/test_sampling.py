@@ -191,3 +191,29 @@ def reference_answer():
               num_gpu_blocks_override=6)
     return llm.generate(GOOD_PROMPT, SamplingParams(**GOOD_PARAMS),
                         use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_best_of_and_other_names_that_are_not_fields_are_refused():
+    params = SamplingParams(n=2)
+    with pytest.raises(ValueError, match="best_of was removed in vLLM v1"):
+        params.best_of = 2
+    with pytest.raises(ValueError, match="no field 'temprature'"):
+        params.temprature = 0.5
+    assert not hasattr(params, "best_of") and params.n == 2
+
+
+def test_n_children_need_room_for_their_seeds():
+    """Child i samples with seed + i: the top seed is valid alone, refused with n = 2."""
+    top = 2**63 - 1
+    assert SamplingParams(seed=top).seed == top
+    assert SamplingParams(n=2, seed=top - 1).seed == top - 1
+    with pytest.raises(ValueError, match=r"seed=9223372036854775807 with n=2"):
+        SamplingParams(n=2, seed=top)
+    params = SamplingParams(seed=top)
+    with pytest.raises(ValueError, match=r"with n=2"):
+        params.n = 2
+    assert params.n == 1
+    params = SamplingParams(n=3)
+    with pytest.raises(ValueError, match=r"below 2\*\*63 - 2"):
+        params.seed = top - 1
+    assert params.seed is None
