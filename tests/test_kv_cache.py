@@ -26,6 +26,7 @@ def test_bad_cache_shapes_raise(field, kwargs):
         KVCache(**args)
 
 
+@pytest.mark.heavy  # over a second: make check leaves it to make test
 def test_store_then_gather_round_trips_and_skips_padding():
     layer = KVCache(1, num_blocks=4, block_size=4, num_kv_heads=2, head_dim=3).layers[0]
     key, value = torch.randn(6, 2, 3), torch.randn(6, 2, 3)

@@ -17,6 +17,7 @@ def lint_tool():
     return module
 
 
+@pytest.mark.heavy  # seconds: make check leaves it to make test
 def test_every_line_of_a_generated_block_maps_to_the_same_text_in_its_chapter():
     lint = lint_tool()
     mapped = 0

@@ -19,6 +19,8 @@ ROOT = Path(__file__).resolve().parent.parent
 CHAPTERS = sorted((ROOT / "chapters").glob("[0-9][0-9]_*.ipynb"))
 
 
+pytestmark = pytest.mark.heavy  # the ledger walks every chapter: seconds, left to make test
+
 @pytest.fixture(scope="module")
 def t4_ledger():
     sys.path.insert(0, str(ROOT / "bench"))
