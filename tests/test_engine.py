@@ -196,8 +196,10 @@ def test_bad_engine_options_name_the_field(model, options, field):
 def test_prefix_caching_is_on_by_default_as_in_vllm(model):
     from minipaged.prefix_cache import PrefixCachingKVCacheManager
 
-    assert minipaged.engine.KV_CACHE_MANAGERS == {
-        False: minipaged.scheduler.KVCacheManager, True: PrefixCachingKVCacheManager}
+    from minipaged.llm import KV_CACHE_MANAGER_CLASSES
+
+    assert KV_CACHE_MANAGER_CLASSES[False, "split", False] is minipaged.scheduler.KVCacheManager
+    assert KV_CACHE_MANAGER_CLASSES[True, "split", False] is PrefixCachingKVCacheManager
     assert type(LLM(model=model).llm_engine.scheduler.kv_cache_manager) is (
         PrefixCachingKVCacheManager)
     plain = LLM(model=model, enable_prefix_caching=False).llm_engine.scheduler.kv_cache_manager
@@ -328,6 +330,39 @@ def test_catalogued_bad_options_are_refused_naming_the_option(model, guarded, op
         LLM(model=model, **{option: value})
     assert engine_state(guarded) == before
     finish_kept(guarded, model)
+
+
+# The package's LLM (minipaged/llm.py) adds vLLM's options for the later chapters' parts.
+BAD_SERVING_OPTIONS = [
+    ("enable_prefix_caching", "yes"), ("enable_prefix_caching", 0),
+    ("swap_space", -1), ("swap_space", "4"), ("swap_space", float("inf")),
+    ("preemption_mode", "page-out"), ("preemption_mode", None),
+    ("parallel_sampling", "clone"), ("parallel_sampling", 2),
+    ("prefix_match_unit", 3), ("prefix_match_unit", 0), ("prefix_match_unit", 32),
+    ("prefix_match_unit", 4.0),
+]
+
+
+@pytest.mark.parametrize("option, value", BAD_SERVING_OPTIONS,
+                         ids=[f"{o}={reprlib.repr(v)}" for o, v in BAD_SERVING_OPTIONS])
+def test_bad_vllm_options_of_the_package_llm_are_refused_naming_the_option(model, option, value):
+    with pytest.raises(ValueError, match=rf"\b{option}\b"):
+        LLM(model=model, **{option: value})
+
+
+def test_chapter_7_llm_takes_classes_and_the_package_llm_chooses_them(model):
+    from minipaged.frontend import LLM as ChapterSevenLLM
+    from minipaged.prefix_cache import PrefixCachingKVCacheManager
+
+    plain = ChapterSevenLLM(model=model, num_gpu_blocks_override=64, max_model_len=128)
+    assert type(plain.llm_engine.scheduler.kv_cache_manager) is minipaged.scheduler.KVCacheManager
+    cached = ChapterSevenLLM(model=model, num_gpu_blocks_override=64, max_model_len=128,
+                             kv_cache_manager_cls=PrefixCachingKVCacheManager)
+    assert type(cached.llm_engine.scheduler.kv_cache_manager) is PrefixCachingKVCacheManager
+    with pytest.raises(ValueError, match="enable_prefix_caching"):  # not chapter 7's option
+        ChapterSevenLLM(model=model, enable_prefix_caching=True)
+    with pytest.raises(ValueError, match="kv_cache_manager_cls is chosen"):
+        LLM(model=model, kv_cache_manager_cls=PrefixCachingKVCacheManager)
 
 
 def test_zero_is_not_the_default():

@@ -178,14 +178,14 @@ def scheduled_work(requests: list[tuple[int, int]], num_blocks: int, block_size:
     of (prompt length, answer length) on a pool of num_blocks, every sampled token a dummy and
     no model: (steps, tokens computed, preemptions), preemption's extra steps and recomputed
     tokens included. Prefix caching is off (the ledger's prompts are lengths, not tokens)."""
-    import minipaged.swap  # noqa: F401  (registers preemption_mode="swap")
     from minipaged.blocks import BlockPool
-    from minipaged.engine import SCHEDULERS
+    from minipaged.llm import SCHEDULER_CLASSES
     from minipaged.sampling import SamplingParams
     from minipaged.scheduler import KVCacheManager, Request, needs_sample
 
-    scheduler = SCHEDULERS[preemption_mode](KVCacheManager(BlockPool(num_blocks, block_size)),
-                                            max_num_batched_tokens, max_num_seqs, max_model_len)
+    scheduler = SCHEDULER_CLASSES[preemption_mode](
+        KVCacheManager(BlockPool(num_blocks, block_size)), max_num_batched_tokens, max_num_seqs,
+        max_model_len)
     for number, (prompt, answer) in enumerate(requests):
         scheduler.add_request(Request(str(number), [0] * prompt, SamplingParams(
             temperature=0, max_tokens=answer, ignore_eos=True)))

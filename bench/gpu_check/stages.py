@@ -386,14 +386,13 @@ def syncs(ctx: Context) -> None:
 # ---- prefix caching (chapter 8), when it exists ----
 
 def prefix_caching_available() -> str | None:
-    """None when minipaged.prefix_cache serves LLM(enable_prefix_caching=True), else why not."""
+    """None when the package's LLM(enable_prefix_caching=True) has a manager to build, else why not."""
     if importlib.util.find_spec("minipaged.prefix_cache") is None:
         return "minipaged.prefix_cache does not exist at this commit (chapter 8 not merged)"
     importlib.import_module("minipaged.prefix_cache")
-    from minipaged.engine import KV_CACHE_MANAGERS
-
-    if True not in KV_CACHE_MANAGERS:
-        return "minipaged.prefix_cache registers no manager for enable_prefix_caching=True"
+    llm_module = importlib.import_module("minipaged.llm")
+    if (True, "split", False) not in getattr(llm_module, "KV_CACHE_MANAGER_CLASSES", {}):
+        return "minipaged.llm maps no manager to enable_prefix_caching=True"
     return None
 
 
