@@ -146,3 +146,30 @@ def test_chapter_9_runs_when_the_block_pool_changes_though_it_imports_only_the_s
     uses = tangle.chapter_imports(ROOT / "chapters" / "09_cache_salt.md", names)
     assert "prefix_cache" in uses  # PrefixCachingBlockPool, a subclass of blocks.BlockPool
     assert uses & tangle.dependents(tangle.import_graph(package), {"blocks"})
+
+
+def test_the_package_has_no_hidden_control_flow():
+    """No class made at run time (type with three arguments), no forwarding proxy
+    (__getattr__), no state kept in another object's __dict__, no registry a later module
+    fills (a subscript assignment at module level into a name imported from elsewhere)."""
+    problems = []
+    for path in sorted((ROOT / "minipaged").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        imported = {alias.asname or alias.name for node in ast.walk(tree)
+                    if isinstance(node, ast.ImportFrom) for alias in node.names}
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                    and node.func.id == "type" and len(node.args) == 3):
+                problems.append(f"{path.name}:{node.lineno} makes a class with type()")
+            if isinstance(node, ast.FunctionDef) and node.name == "__getattr__":
+                problems.append(f"{path.name}:{node.lineno} defines __getattr__")
+            if isinstance(node, ast.Attribute) and node.attr == "__dict__":
+                problems.append(f"{path.name}:{node.lineno} reads __dict__")
+        for node in tree.body:
+            if isinstance(node, ast.Assign):
+                for target in node.targets:
+                    if (isinstance(target, ast.Subscript) and isinstance(target.value, ast.Name)
+                            and target.value.id in imported):
+                        problems.append(f"{path.name}:{node.lineno} fills {target.value.id}, "
+                                        f"imported from another module")
+    assert problems == []

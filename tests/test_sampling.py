@@ -132,6 +132,17 @@ VALID = {
     "ignore_eos": lambda v: isinstance(v, bool),
     "max_tokens": lambda v: v is None or (is_int(v) and v >= 1),
 }
+
+
+def test_the_property_tests_list_of_fields_is_the_dataclasses_own():
+    import dataclasses
+
+    from minipaged.sampling import FIELD_CHECKS
+
+    fields = {f.name for f in dataclasses.fields(SamplingParams)}
+    assert set(VALID) == fields == set(FIELD_CHECKS)
+
+
 ANY_VALUE = st.one_of(
     st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(), st.text(max_size=4),
     st.lists(st.one_of(st.integers(-5, 2**40), st.floats(), st.booleans(), st.text(max_size=2)),

@@ -9,12 +9,12 @@ from hypothesis import strategies as st
 
 from minipaged import LLM, SamplingParams
 from minipaged.blocks import BlockPool
-from minipaged.engine import SCHEDULERS
+from minipaged.engine import LLMEngine
 from minipaged.kv_cache import KVCache
 from minipaged.model import ModelConfig, random_model
 from minipaged.prefix_cache import PrefixCachingBlockPool, PrefixCachingKVCacheManager
 from minipaged.scheduler import KVCacheManager, Request, RequestStatus, Scheduler, needs_sample
-from minipaged.swap import HostKVCache, SwapScheduler, SwapSchedulerOutput
+from minipaged.swap import HostKVCache, SwappingEngine, SwapScheduler, SwapSchedulerOutput
 
 
 def step(scheduler, token=0):
@@ -23,6 +23,12 @@ def step(scheduler, token=0):
     scheduler.update_from_output(out, {r.request_id: token for r in out.scheduled_requests
                                        if needs_sample(r, out.num_scheduled_tokens[r.request_id])})
     return out
+
+
+def swap_blocks(scheduler, out, cache):
+    """What SwappingEngine.execute does before the forward pass: out to the host, then in."""
+    scheduler.host.swap_out_blocks(cache, out.blocks_to_swap_out)
+    scheduler.host.swap_in_blocks(cache, out.blocks_to_swap_in)
 
 
 def random_cache(num_blocks, block_size, seed=0):
@@ -96,10 +102,11 @@ def test_swap_out_then_in_restores_byte_identical_blocks(block_size, prompts, nu
 
     out = SwapSchedulerOutput([], {}, [])
     scheduler.running.remove(victim)
-    scheduler.preempt_victim(victim, out)
+    scheduler.preempt(victim, out)
+    assert out.preempted_requests == [victim] and scheduler.num_swap_fallbacks == 0
     assert victim in scheduler.swapped and victim.request_id not in manager.block_tables
     assert [d for d, _ in out.blocks_to_swap_out] == saved_ids  # every block, shared ones too
-    scheduler.swap_blocks(out, cache)
+    swap_blocks(scheduler, out, cache)
     for block_id in shared_before:  # a shared block keeps its other owners
         assert manager.pool.blocks[block_id].ref_cnt >= 1
     free_ids = [b.block_id for b in manager.pool.free_block_queue]
@@ -109,7 +116,7 @@ def test_swap_out_then_in_restores_byte_identical_blocks(block_size, prompts, nu
     back = SwapSchedulerOutput([], {}, [])
     scheduler.swapped.remove(victim)
     assert scheduler.swap_in(victim, back, 256) > 0
-    scheduler.swap_blocks(back, cache)
+    swap_blocks(scheduler, back, cache)
     restored_ids = manager.get_block_table(victim).block_ids[:num_saved]
     assert [d for _, d in back.blocks_to_swap_in] == restored_ids
     assert all(torch.equal(layer[restored_ids], s) for layer, s in zip(cache.layers, saved))
@@ -178,6 +185,15 @@ def test_a_full_host_pool_falls_back_to_recompute():
     assert scheduler.kv_cache_manager.pool.get_num_free_blocks() == 7
 
 
+def test_a_fallback_is_booked_once_in_the_steps_output():
+    scheduler = toy_scheduler(dict(A=4, B=12, C=12, D=6), host_blocks=1)
+    while not scheduler.num_swap_fallbacks:
+        out = step(scheduler)
+    (victim,) = out.preempted_requests  # recorded by chapter 7's preempt, not twice
+    assert victim in scheduler.waiting and victim.num_computed_tokens == 0
+    assert not out.blocks_to_swap_out and not scheduler.swapped
+
+
 def test_aborting_a_swapped_request_returns_its_host_blocks():
     scheduler = toy_scheduler(dict(A=4, B=12, C=12, D=6))
     while not scheduler.swapped:
@@ -214,7 +230,8 @@ def test_prefix_cached_blocks_on_swap_out_and_in():
     assert a_ids[:2] == b_ids[:2]  # found by hash
     out = SwapSchedulerOutput([], {}, [])
     scheduler.running.remove(b)
-    scheduler.preempt_victim(b, out)
+    scheduler.preempt(b, out)
+    assert out.preempted_requests == [b]
     assert [d for d, _ in out.blocks_to_swap_out] == b_ids  # shared blocks are copied too
     assert [manager.pool.blocks[i].ref_cnt for i in a_ids[:2]] == [1, 1]  # A keeps them
     own_full = manager.pool.blocks[b_ids[2]]
@@ -233,10 +250,16 @@ def test_prefix_cached_blocks_on_swap_out_and_in():
 
 @pytest.mark.heavy  # over a second: make test runs it, make check does not
 def test_preemption_mode_through_llm():
-    assert SCHEDULERS["recompute"] is Scheduler and SCHEDULERS["swap"] is SwapScheduler
+    from minipaged.llm import ENGINE_CLASSES, SCHEDULER_CLASSES
+
+    assert SCHEDULER_CLASSES == {"recompute": Scheduler, "swap": SwapScheduler}
+    assert ENGINE_CLASSES["swap", None] is SwappingEngine
+    assert ENGINE_CLASSES["recompute", None] is LLMEngine
     llm = LLM(max_model_len=64, num_gpu_blocks_override=8, preemption_mode="swap")
     assert type(llm.llm_engine.scheduler) is SwapScheduler
-    assert type(LLM(max_model_len=64, num_gpu_blocks_override=8).llm_engine.scheduler) is Scheduler
+    assert type(llm.llm_engine) is SwappingEngine
+    recompute = LLM(max_model_len=64, num_gpu_blocks_override=8).llm_engine
+    assert type(recompute.scheduler) is Scheduler and type(recompute) is LLMEngine
     for bad in ("Swap", "", None, ["swap"]):
         with pytest.raises(ValueError, match="preemption_mode"):
             LLM(max_model_len=64, num_gpu_blocks_override=8, preemption_mode=bad)
@@ -287,6 +310,42 @@ def test_answers_equal_recompute_and_an_ample_pool(model, caching, sampling):
     stats = {name: engine.stats()["num_computed_tokens"] for name, engine in engines.items()}
     if not caching:
         assert stats["swap"] == stats["ample"] < stats["recompute"]
+
+
+def test_the_swapping_engine_needs_a_swap_scheduler(model):
+    engine = SwappingEngine(model, 8, max_model_len=64, scheduler_cls=SwapScheduler,
+                            swap_space=0.001)
+    assert type(engine.scheduler) is SwapScheduler
+    assert engine.scheduler.block_bytes == HostKVCache.bytes_per_block(engine.kv_cache)
+    with pytest.raises(ValueError, match="SwapScheduler"):
+        SwappingEngine(model, 8, max_model_len=64)
+    with pytest.raises(ValueError, match="engine_cls"):  # the package's LLM chooses classes
+        LLM(model=model, max_model_len=64, num_gpu_blocks_override=8, engine_cls=SwappingEngine)
+
+
+def test_the_engine_makes_the_steps_swaps_before_its_forward_pass(model, monkeypatch):
+    calls = []
+    engine = SwappingEngine(model, 8, max_model_len=64, scheduler_cls=SwapScheduler,
+                            swap_space=0.001)
+    host = engine.scheduler.host
+    for name in ("swap_out_blocks", "swap_in_blocks"):
+        real = getattr(host, name)
+        monkeypatch.setattr(host, name, lambda cache, mapping, real=real, name=name: (
+            calls.append((name, list(mapping))), real(cache, mapping))[1])
+    forward = engine.model.forward
+    monkeypatch.setattr(engine.model, "forward",
+                        lambda *a, **k: (calls.append(("forward", None)), forward(*a, **k))[1])
+    for i in range(4):
+        engine.add_request(str(i), [(7 * i + j) % 500 for j in range(20)],
+                           SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.scheduler.num_swap_outs > 0 and engine.scheduler.num_swap_fallbacks == 0
+    names = [name for name, _ in calls]
+    # every step: its swap-outs, then its swap-ins, then the forward pass
+    assert names == ["swap_out_blocks", "swap_in_blocks", "forward"] * engine.num_steps
+    assert any(mapping for name, mapping in calls if name == "swap_in_blocks")
+    assert engine.pool.get_num_free_blocks() == engine.pool.num_blocks
 
 
 # --- the copies on a GPU: pinned staging buffers, events (run here with stand-ins) -------------
@@ -385,12 +444,16 @@ def test_swap_space_sizes_the_host_pool_in_bytes_of_the_cache_blocks(monkeypatch
 
     monkeypatch.setattr(minipaged.swap, "free_memory_bytes", lambda device: 64 * GiB)
     manager = KVCacheManager(BlockPool(7, 4))
-    scheduler = SwapScheduler(manager, max_num_seqs=4, max_model_len=64,
-                              swap_space_bytes=10 * 1000 + 999, block_bytes=1000)
+    scheduler = SwapScheduler(manager, max_num_seqs=4, max_model_len=64)
+    assert scheduler.block_bytes is None and scheduler.host.pool.num_blocks == 7  # unpriced
+    scheduler.set_swap_space(10 * 1000 + 999, block_bytes=1000)
+    assert scheduler.block_bytes == 1000
     assert scheduler.host.pool.num_blocks == 10  # whole blocks of the budget
-    capped = SwapScheduler(manager, max_num_seqs=4, max_model_len=64,
-                           swap_space_bytes=GiB, block_bytes=1000)
+    capped = SwapScheduler(manager, max_num_seqs=4, max_model_len=64)
+    capped.set_swap_space(GiB, block_bytes=1000)
     assert capped.host.pool.num_blocks == 4 * 16  # no more than the queues can fill
+    with pytest.raises(ValueError, match="block_bytes"):
+        capped.set_swap_space(GiB, block_bytes=0)
     llm = LLM(max_model_len=64, num_gpu_blocks_override=8, preemption_mode="swap",
               swap_space=0.001)
     engine = llm.llm_engine
@@ -412,13 +475,15 @@ def test_a_host_pool_larger_than_the_host_is_refused_before_anything_is_taken(mo
 
     monkeypatch.setattr(minipaged.swap, "free_memory_bytes", lambda device: 10_000)
     manager = KVCacheManager(BlockPool(7, 4))
-    assert SwapScheduler(manager, num_cpu_blocks=10, block_bytes=1000).host.pool.num_blocks == 10
-    with pytest.raises(ValueError, match="num_cpu_blocks=11 .* 10,000 bytes"):
-        SwapScheduler(manager, num_cpu_blocks=11, block_bytes=1000)
-    with pytest.raises(ValueError, match="swap_space"):
-        SwapScheduler(manager, swap_space_bytes=10_001, block_bytes=1000)
-    scheduler = SwapScheduler(manager, swap_space_bytes=10_000, block_bytes=1000)
+    scheduler = SwapScheduler(manager)
+    scheduler.set_swap_space(10_000, block_bytes=1000)
+    assert scheduler.host.pool.num_blocks == 10
     host = scheduler.host
+    with pytest.raises(ValueError, match="num_cpu_blocks=11 .* 10,000 bytes"):
+        scheduler.set_num_cpu_blocks(11)
+    with pytest.raises(ValueError, match="swap_space"):
+        scheduler.set_swap_space(10_001, block_bytes=1000)
+    assert scheduler.host is host
     for too_many in (11, 10**6, 10**12):  # 10**12 once hung making the pool's block ids
         with pytest.raises(ValueError, match="num_cpu_blocks"):
             scheduler.set_num_cpu_blocks(too_many)
