@@ -201,6 +201,13 @@ def scheduled_work(requests: list[tuple[int, int]], num_blocks: int, block_size:
     return steps, computed, scheduler.num_preemptions
 
 
+def preemption_mode(options: dict) -> str:
+    """How an engine built with these options preempts: the package LLM's preemption_mode, or
+    chapter 11's SwapScheduler handed to chapter 7's LLM as scheduler_cls."""
+    swapping = getattr(options.get("scheduler_cls"), "__name__", "") == "SwapScheduler"
+    return "swap" if swapping else options.get("preemption_mode", "recompute")
+
+
 def activation_bytes(config, num_tokens: int, num_rows: int, dtype_bytes: int) -> int:
     """An upper bound on one step's transient memory: for each of num_tokens tokens, the
     residual, normed and attention-output rows (4 x hidden), q, k, v, the MLP's gate, up and
@@ -281,11 +288,11 @@ class Ledger(Walker):
     """Walks one chapter's cells (tools/cell_walker.py); see the module's docstring."""
 
     def __init__(self, chapter: str, total_bytes: int, context_bytes: int) -> None:
-        import minipaged.engine
+        import minipaged.frontend
         import minipaged.model
         import minipaged.sizing
 
-        self.engine_module, self.ModelConfig = minipaged.engine, minipaged.model.ModelConfig
+        self.frontend_module, self.ModelConfig = minipaged.frontend, minipaged.model.ModelConfig
         self.sizing_module = minipaged.sizing
         self.result = ChapterLedger(chapter)
         self.total_bytes, self.context_bytes = total_bytes, context_bytes
@@ -449,7 +456,7 @@ class Ledger(Walker):
         dtype = DType("float16", 2) if dtype in (None, "auto") else dtype
         device = kwargs.get("device")
         if model == "random":
-            config = self.engine_module.PRESETS["random"]()
+            config = self.frontend_module.PRESETS["random"]()
             return self.weights(config, dtype, device, "LLM(model='random')")
         if isinstance(model, str):
             return self.weights(self.qwen, dtype, device, f"LLM(model={model!r})")
@@ -502,8 +509,7 @@ class Ledger(Walker):
                                                      max_num_batched_tokens=tokens,
                                                      num_blocks=num_blocks, block_size=block_size,
                                                      max_model_len=longest,
-                                                     preemption_mode=options.get(
-                                                         "preemption_mode", "recompute"))))
+                                                     preemption_mode=preemption_mode(options))))
 
     # ---- work ----
 
