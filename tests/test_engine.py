@@ -194,9 +194,8 @@ def test_bad_engine_options_name_the_field(model, options, field):
 
 
 def test_prefix_caching_is_on_by_default_as_in_vllm(model):
-    from minipaged.prefix_cache import PrefixCachingKVCacheManager
-
     from minipaged.llm import KV_CACHE_MANAGER_CLASSES
+    from minipaged.prefix_cache import PrefixCachingKVCacheManager
 
     assert KV_CACHE_MANAGER_CLASSES[False, "split", False] is minipaged.scheduler.KVCacheManager
     assert KV_CACHE_MANAGER_CLASSES[True, "split", False] is PrefixCachingKVCacheManager

@@ -21,7 +21,8 @@ def prose_text(markdown: str) -> str:
     lines, fence = [], False
     for line in markdown.splitlines():
         if line.startswith(("```", ":::", "~~~")):
-            fence = not fence if line.strip() in ("```", ":::", "::::", "~~~") or not fence else fence
+            closing = line.strip() in ("```", ":::", "::::", "~~~")
+            fence = not fence if closing or not fence else fence
             continue
         if fence or line.startswith(("|", "#", ":", "$$")) or not line.strip():
             lines.append("")

@@ -386,7 +386,8 @@ def syncs(ctx: Context) -> None:
 # ---- prefix caching (chapter 8), when it exists ----
 
 def prefix_caching_available() -> str | None:
-    """None when the package's LLM(enable_prefix_caching=True) has a manager to build, else why not."""
+    """None when the package's LLM(enable_prefix_caching=True) has a manager to build, else
+    why not."""
     if importlib.util.find_spec("minipaged.prefix_cache") is None:
         return "minipaged.prefix_cache does not exist at this commit (chapter 8 not merged)"
     importlib.import_module("minipaged.prefix_cache")
