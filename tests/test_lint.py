@@ -43,7 +43,7 @@ def test_lint_names_the_chapter_line_of_a_finding_in_a_generated_module(tmp_path
     (tmp_path / "tests").mkdir()
     (tmp_path / "tests" / "test_x.py").write_text("import sys\n")  # hand-written: left as is
     blocks = tmp_path / "minipaged" / "blocks.py"
-    target = "        self.block_size = block_size"
+    target = "        self.block_size = pool.block_size"
     blocks.write_text(blocks.read_text().replace(target, target + "  ", 1))  # W291
     row = blocks.read_text().splitlines().index(target + "  ") + 1
     chapter = tmp_path / "chapters" / "03_block_pool.md"
