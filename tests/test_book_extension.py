@@ -36,6 +36,7 @@ def record(root: Path, name: str, age_seconds: float) -> None:
     os.utime(path, (stamp, stamp))
 
 
+@pytest.mark.heavy  # a second or more: make test runs it, make check does not
 def test_a_newer_record_of_another_chapter_drops_chapter_12s_cached_run(tmp_path):
     cache = cached_chapter_12(tmp_path)
     record(tmp_path, "12_what_it_bought", -3600)  # chapter 12's own record never counts

@@ -439,6 +439,7 @@ def hypothesis_llm(model):
     return LLM(model=model, max_model_len=64, num_gpu_blocks_override=8)
 
 
+@pytest.mark.heavy  # a second or more: make test runs it, make check does not
 @settings(max_examples=150, deadline=None)
 @given(data=st.data(), option=st.sampled_from(sorted(INVALID_OPTIONS)))
 def test_any_bad_option_is_refused_by_name_and_the_engine_is_untouched(

@@ -557,6 +557,7 @@ def check_pressure(seed):
 
 # 10: caching, sub-block hits, forks and preemption by recompute; 23: the same with swaps, some
 # falling back to recompute when the small host pool is full
+@pytest.mark.heavy  # seconds each: make test runs them, make check does not
 @pytest.mark.parametrize("seed", [10, 23])
 def test_pressure_matches_an_ample_pool(seed):
     stats = check_pressure(seed)

@@ -408,6 +408,7 @@ def test_simulation_conserves_memory_and_releases_each_request_once(index):
     assert 0 < result.refusal_rate < 1
 
 
+@pytest.mark.heavy  # a second or more: make test runs it, make check does not
 def test_same_seed_same_numbers():
     def run(seed):
         trace = make_workload(4_000, arrival_rate_for_load(1.0, 50_000), seed=seed)

@@ -70,6 +70,7 @@ def _notebook(path: Path, sources: list[str]) -> Path:
     return path
 
 
+@pytest.mark.heavy  # a second or more: make test runs it, make check does not
 def test_run_chapter_records_each_cell_keeps_going_and_captures_glue(tmp_path):
     notebook = _notebook(tmp_path / "nb.ipynb", [
         "from minipaged.runtime import glue\nvalue = 6 * 7\nglue('answer', value)",

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import jupytext
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -71,6 +72,7 @@ def test_modules_import_only_modules_of_earlier_or_the_same_chapters():
     assert violations(ROOT / "minipaged", chapter_order(ROOT)) == []
 
 
+@pytest.mark.heavy  # a second or more: make test runs it, make check does not
 def test_chapter_cells_import_only_modules_of_earlier_or_the_same_chapters():
     order = chapter_order(ROOT)
     owners = module_chapters(ROOT / "minipaged")

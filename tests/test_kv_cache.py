@@ -59,6 +59,7 @@ def scatter_sequences(seq_lens, block_size, num_blocks, generator):
     return tables
 
 
+@pytest.mark.heavy  # a second or more: make test runs it, make check does not
 @pytest.mark.parametrize("group", [1, 2, 7])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 def test_reference_matches_sdpa_on_scattered_blocks(group, block_size):

@@ -63,6 +63,7 @@ def test_seed_t4_allocates_573_reservations_and_returns_every_byte():
     assert device.used_bytes == weights_and_context
 
 
+@pytest.mark.heavy  # a second or more: make test runs it, make check does not
 @given(total=st.integers(1, 10**6), chunk=st.integers(1, 10**4))
 def test_allocate_until_refused_counts_floor_of_free_over_chunk(total, chunk):
     device = SimulatedDevice(total)

@@ -277,6 +277,7 @@ def test_the_torch_reference_fails_loudly_on_a_pad():
 LENGTHS = [3, 17, 30]
 
 
+@pytest.mark.heavy  # a second or more: make test runs it, make check does not
 def test_prefill_logits_at_every_position(model, peer, config):
     prompts = make_prompts(LENGTHS, config.vocab_size)
     tables, num_blocks = scattered_tables(LENGTHS)
