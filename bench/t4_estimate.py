@@ -53,7 +53,8 @@ GPU_SETUP = "install, checkpoint download, Triton compilation"  # what no row co
 # What a row leaves out besides: chapters that never launch a kernel compile nothing.
 NOT_COUNTED = {"01_kv_memory": "install, checkpoint download (transformers runs no Triton kernel)",
                "02_fragmentation": "install", "03_block_pool": "install",
-               "05_paged_attention": f"{GPU_SETUP} (about 30 kernel variants), kernel timings"}
+               "05_paged_attention": f"{GPU_SETUP} (about 30 kernel variants), kernel timings",
+               "05_what_the_table_costs": "install (it launches no kernel)"}
 # What the ledger's count leaves out, where it is most of a chapter's time.
 NOTES = {"05_paged_attention": "kernel timings not counted: bench/gpu_check measures them"}
 

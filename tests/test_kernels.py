@@ -457,9 +457,9 @@ def test_the_split_rule_counts_what_the_committed_table_compiles():
 
 
 def test_chapter_5_shows_the_compile_tool_as_it_stands():
-    # The chapter displays two pieces of tools/compile_report.py (it cannot run them): each
-    # must be the tool's text, verbatim.
-    chapter = (TOOLS.parent / "chapters" / "05_paged_attention.md").read_text()
+    # The chapter's second page displays two pieces of tools/compile_report.py (it cannot run
+    # them): each must be the tool's text, verbatim.
+    chapter = (TOOLS.parent / "chapters" / "05_what_the_table_costs.md").read_text()
     shown = re.findall(r"```\{code-block\} python\n:caption: tools/compile_report.py[^\n]*\n\n"
                        r"(.*?)\n```", chapter, flags=re.S)
     assert len(shown) == 2
