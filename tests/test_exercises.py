@@ -13,8 +13,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 CHAPTERS = sorted((ROOT / "chapters").glob("[0-9][0-9]_*.md"))
-# A chapter may span pages (07_scheduler.md, then 07_the_llm.md): its last page ends with the
-# exercises.
+# A chapter may span pages (07_scheduler.md, 07_the_llm.md, 07_under_load.md): its last page
+# ends with the exercises.
 LAST_PAGES = list({chapter.name[:2]: chapter for chapter in CHAPTERS}.values())
 MODULES = sorted(path.stem for path in (ROOT / "minipaged").glob("exercises_*.py"))
 
