@@ -22,8 +22,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def chapter_source(number: int) -> str:
-    (path,) = (ROOT / "chapters").glob(f"{number:02d}_*.md")
-    return path.read_text()
+    """The text of every page of a chapter (chapter 7 spans three)."""
+    pages = sorted((ROOT / "chapters").glob(f"{number:02d}_*.md"))
+    assert pages, f"no chapter {number}"
+    return "\n".join(page.read_text() for page in pages)
 
 
 def glued_in(source: str, key: str) -> bool:
@@ -62,6 +64,18 @@ def test_the_table_covers_the_study_with_one_row_per_figure(tmp_path):
     assert all(row["minipaged"] is None for row in rows)  # nothing recorded: nothing shown
     assert all(row["verdict"].startswith(("not yet measured: chapter",
                                           "not measurable here")) for row in rows)
+
+
+def test_a_chapter_on_several_pages_is_one_record_with_each_value_from_its_page(tmp_path):
+    from minipaged.reckoning import chapter_records
+
+    record(tmp_path, "07_scheduler", {"steps": 3})
+    record(tmp_path, "07_the_llm", {"answers": 8})
+    record(tmp_path, "07_under_load", {"preemptions": 38, "steps": 4})
+    (chapter,) = chapter_records(tmp_path).values()
+    assert chapter["values"] == {"steps": 4, "answers": 8, "preemptions": 38}
+    assert chapter["sources"]["answers"] == str(tmp_path / "07_the_llm.json")
+    assert chapter["sources"]["steps"] == str(tmp_path / "07_under_load.json")  # the last page
 
 
 def test_a_value_comes_only_from_a_chapter_record(tmp_path):
