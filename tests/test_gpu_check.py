@@ -378,7 +378,7 @@ def test_a_gpu_table_reads_as_markdown_under_its_cards_name(tmp_path):
                                        "NVIDIA H200,off,7.93,128\n")
     table = gpu_results("prefix", root=tmp_path).markdown_table(
         ["experiment", "seconds"], where={"prefix_tokens": 2407})
-    assert table.splitlines()[0] == "Measured on an NVIDIA H200 by bench/gpu_check (not a T4):"
+    assert table.splitlines()[0] == "Measured on the NVIDIA H200 by bench/gpu_check (not a T4):"
     assert table.splitlines()[2:] == ["| experiment | seconds |", "| --- | --- |",
                                       "| cold\\|warm | 0.741 |"]
     t4 = _run(tmp_path, "Tesla_T4", {"device": "cuda", "gpu": "Tesla T4", "started_at": "2"},
