@@ -116,3 +116,13 @@ def test_long_code_lines_are_found_without_a_browser(tmp_path):
         "---\nshort = 1\n" + long + "\n```\n")
     problems = browser_check.long_code_lines(tmp_path)
     assert len(problems) == 1 and "01_demo.md:9" in problems[0], problems
+
+
+def test_only_a_chapters_last_page_must_end_with_what_it_measured():
+    pages = ["index.html", "chapters/05_paged_attention.html",
+             "chapters/05_what_the_table_costs.html", "chapters/07_scheduler.html",
+             "chapters/07_the_llm.html", "chapters/07_under_load.html",
+             "chapters/08_prefix_caching.html", "book/api.html"]
+    assert browser_check.last_pages(pages) == {
+        "chapters/05_what_the_table_costs.html", "chapters/07_under_load.html",
+        "chapters/08_prefix_caching.html"}
