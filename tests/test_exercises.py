@@ -26,8 +26,15 @@ def checkers(module_name: str) -> dict:
             and function.__module__ == module.__name__}
 
 
+# Checkers that run the engine on a model take seconds each: make check skips them, make test
+# runs them.
+ENGINE_CHECKERS = {"check_scheduler"}
+
+
 def every_checker():
-    return [(module, name) for module in MODULES for name in checkers(module)]
+    return [pytest.param(module, name,
+                         marks=[pytest.mark.heavy] if name in ENGINE_CHECKERS else [])
+            for module in MODULES for name in checkers(module)]
 
 
 def stub(*args, **kwargs):

@@ -84,6 +84,7 @@ def test_budget_is_whole_blocks_and_never_exceeds_what_is_left(u, non_cache):
     assert budget.num_tokens * 12288 <= max(0, u * 16 * GiB - non_cache) + 1
 
 
+@pytest.mark.heavy  # seconds: the profiler records a whole forward pass
 def test_cpu_peak_of_a_forward_counts_its_largest_live_tensor():
     size = 4 * MiB
 

@@ -175,6 +175,7 @@ def test_small_keeps_the_real_head_geometry():
     assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (14, 2, 64)
 
 
+@pytest.mark.heavy  # seconds: builds the full-size model on the meta device
 def test_real_parameter_count():
     with torch.device("meta"):
         model = Qwen2ForCausalLM(ModelConfig.from_hf_config(QWEN_CONFIG))
@@ -295,6 +296,7 @@ def test_token_by_token_through_scattered_blocks(model, peer, config):
         torch.testing.assert_close(logits, reference_logits(peer, prompt), atol=TOLERANCE, rtol=0)
 
 
+@pytest.mark.heavy  # seconds: its fixtures build a model and the transformers peer
 def test_chunked_prefill(model, peer, config):
     prompts = make_prompts(LENGTHS, config.vocab_size, seed=2)
     tables, num_blocks = scattered_tables(LENGTHS, seed=2)
@@ -315,6 +317,7 @@ def test_any_chunking_gives_the_prefill_logits(model, peer, config, chunks, seed
     torch.testing.assert_close(logits, reference_logits(peer, prompts[0]), atol=TOLERANCE, rtol=0)
 
 
+@pytest.mark.heavy  # seconds: builds the model and the transformers peer
 def test_logits_indices_pick_the_last_token_of_each_sequence(model, peer, config):
     prompts = make_prompts([4, 9], config.vocab_size, seed=4)
     tables, num_blocks = scattered_tables([4, 9], seed=4)
