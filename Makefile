@@ -11,6 +11,9 @@ export PYTHONHASHSEED ?= 0
 # nbval stores each chapter it runs cleanly in the book's jupyter-cache (see conftest.py),
 # so `make test` followed by `make book` executes every chapter once.
 export MINIPAGED_SHARE_EXECUTION ?= 1
+# Some shells set PYTHONDONTWRITEBYTECODE: then pytest rewrites every test module's asserts anew on
+# each run (seconds of make check). __pycache__ is ignored by git, so let Python keep its caches.
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: venv book test check check-chapters tangle lint bench gpu-check gpu-check-dry clean browser-check \
 	compile-check
@@ -58,14 +61,16 @@ check: $(STAMP)
 	$(BIN)/python tools/tangle.py --check
 	$(BIN)/python tools/lint.py
 	$(BIN)/python -m pytest tests -m "not slow and not heavy" -q -x
-	$(MAKE) --no-print-directory check-chapters
+	$(CHANGED_CHAPTERS)
 
 ## Run under nbval every chapter whose source or modules changed since the merge base with
 ## $(BASE) (committed or not), and every chapter that imports one of those modules or a module
 ## that depends on one (the package's import graph). A failing cell names its chapter's .md line.
 check-chapters: $(STAMP)
 	$(BIN)/python tools/tangle.py --check
-	@chapters="$$($(BIN)/python tools/tangle.py --changed-since $(BASE))"; \
+	$(CHANGED_CHAPTERS)
+
+CHANGED_CHAPTERS = @chapters="$$($(BIN)/python tools/tangle.py --changed-since $(BASE))"; \
 	if [ -z "$$chapters" ]; then echo "check-chapters: no chapter changed since $(BASE)"; \
 	else echo "check-chapters: $$chapters"; \
 	$(BIN)/python -m pytest $$chapters --nbval-lax -q; fi

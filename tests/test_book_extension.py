@@ -46,6 +46,7 @@ def test_a_newer_record_of_another_chapter_drops_chapter_12s_cached_run(tmp_path
     assert cache.list_cache_records() == []
 
 
+@pytest.mark.heavy  # a second: executes a notebook into a jupyter-cache
 def test_records_older_than_the_cached_run_keep_it(tmp_path):
     cache = cached_chapter_12(tmp_path)
     record(tmp_path, "04_kv_cache", 3600)  # as after `make test`: chapters first, cache last

@@ -136,6 +136,7 @@ def test_abandoned_stream_frees_its_blocks(model, prompts):
     assert not llm.llm_engine.has_unfinished_requests()
 
 
+@pytest.mark.heavy  # a second: decodes a few hundred steps
 def test_allocator_called_once_per_block_in_decode(model):
     llm = LLM(model=model, max_model_len=512)
     llm.generate({"prompt_token_ids": list(range(9))},

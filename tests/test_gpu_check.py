@@ -96,6 +96,7 @@ def test_run_chapter_records_each_cell_keeps_going_and_captures_glue(tmp_path):
         == "minipaged.runtime"  # put back afterwards
 
 
+@pytest.mark.heavy  # seconds: starts a Jupyter kernel
 def test_run_chapter_stops_after_max_cells(tmp_path):
     notebook = _notebook(tmp_path / "nb.ipynb", ["x = 1", "x = 2", "raise SystemExit(3)"])
     cwd = os.getcwd()

@@ -161,6 +161,7 @@ def test_config_names_a_missing_required_field(field):
         ModelConfig.from_hf_config(hf)
 
 
+@pytest.mark.heavy  # loads transformers' Qwen2 classes: seconds, the first time
 def test_config_reads_nulls_as_absent():
     """transformers writes head_dim and rope_theta as null when unset: the defaults apply."""
     hf = QWEN_CONFIG | {"head_dim": None, "rope_theta": None,
@@ -247,6 +248,7 @@ def test_prepare_metadata_records_its_block_size():
     assert prepare_metadata([[1]], [0], [5], block_size=8).block_size == 8
 
 
+@pytest.mark.heavy  # seconds: every kernel under the interpreter
 def test_padding_is_never_read_by_the_triton_kernels():
     """A pad entry naming a block full of NaN changes nothing: no pad is ever loaded."""
     torch.manual_seed(0)
@@ -329,6 +331,7 @@ def test_logits_indices_pick_the_last_token_of_each_sequence(model, peer, config
         torch.testing.assert_close(row, reference_logits(peer, prompt)[-1], atol=TOLERANCE, rtol=0)
 
 
+@pytest.mark.heavy  # seconds: builds an untied model and its transformers peer
 def test_untied_head(config):
     untied = ModelConfig.small(num_layers=1, vocab_size=128).to_hf_config()
     untied = ModelConfig.from_hf_config(untied | {"tie_word_embeddings": False})
@@ -398,6 +401,7 @@ def random_transformers_model(config: ModelConfig, seed: int = 0):
     return hf.eval()
 
 
+@pytest.mark.heavy  # seconds: imports transformers and writes a checkpoint
 def test_load_model_reads_a_transformers_checkpoint(tmp_path, config):
     hf = random_transformers_model(config)
     hf.save_pretrained(tmp_path)
@@ -411,6 +415,7 @@ def test_load_model_reads_a_transformers_checkpoint(tmp_path, config):
     torch.testing.assert_close(logits, reference_logits(hf, prompt), atol=TOLERANCE, rtol=0)
 
 
+@pytest.mark.heavy  # loads transformers' Qwen2 classes: seconds, the first time
 def test_save_pretrained_is_read_by_transformers(tmp_path, model):
     save_pretrained(model, tmp_path)
     hf, info = transformers.Qwen2ForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
@@ -420,12 +425,14 @@ def test_save_pretrained_is_read_by_transformers(tmp_path, model):
         assert torch.equal(a, b), name
 
 
+@pytest.mark.heavy  # loads transformers' Qwen2 classes: seconds, the first time
 def test_load_model_in_another_dtype(tmp_path, model):
     save_pretrained(model, tmp_path)
     half = load_model(tmp_path, dtype=torch.bfloat16)
     assert all(p.dtype == torch.bfloat16 for p in half.parameters())
 
 
+@pytest.mark.heavy  # loads transformers' Qwen2 classes: seconds, the first time
 def test_load_model_casts_a_bfloat16_checkpoint_with_no_lm_head(tmp_path, config):
     """The real checkpoint's case: bf16 on disk, the head tied and absent, fp16 wanted."""
     from safetensors import safe_open
@@ -441,6 +448,7 @@ def test_load_model_casts_a_bfloat16_checkpoint_with_no_lm_head(tmp_path, config
         assert b.dtype == torch.float16 and torch.equal(a.to(torch.float16), b), name
 
 
+@pytest.mark.heavy  # loads transformers' Qwen2 classes: seconds, the first time
 def test_load_model_streams_the_checkpoint_one_tensor_at_a_time_on_the_host(tmp_path,
                                                                             monkeypatch):
     """No second copy of the model: the checkpoint's tensors are read on the host, each dropped
@@ -468,6 +476,7 @@ def test_load_model_streams_the_checkpoint_one_tensor_at_a_time_on_the_host(tmp_
     assert loaded.lm_head.weight is loaded.model.embed_tokens.weight  # the head is not a copy
 
 
+@pytest.mark.heavy  # loads transformers' Qwen2 classes: seconds, the first time
 def test_load_model_refuses_a_gpu_without_room_for_the_weights(monkeypatch):
     from minipaged.huggingface import check_room_for_weights
 
@@ -500,6 +509,7 @@ def test_load_weights_refuses_unknown_wrong_and_missing_tensors(model, config):
         fresh.load_weights(partial.items())
 
 
+@pytest.mark.heavy  # loads transformers' Qwen2 classes: seconds, the first time
 def test_hf_state_dict_uses_transformers_names(model, peer):
     assert set(model.hf_state_dict()) | {"lm_head.weight"} == set(peer.state_dict())
 
@@ -676,6 +686,7 @@ def test_first_divergence_finds_the_first_differing_token_or_a_length_mismatch()
     assert first_divergence([[1, 2, 3]], [[1, 2]]) == (0, 2)
 
 
+@pytest.mark.heavy  # loads transformers' Qwen2 classes: seconds, the first time
 def test_top2_margin_is_the_gap_between_transformers_two_best_logits(model, peer, config):
     from minipaged.model import top2_margin
     prompt = make_prompts([37], config.vocab_size, seed=3)[0]
@@ -696,9 +707,10 @@ def test_auto_on_a_cpu_is_the_batched_path(config):
     assert minipaged.kernels.resolve_backend("auto", torch.zeros(1)) == "batched"
 
 
+@pytest.mark.heavy  # its fixtures build a model and the transformers peer: seconds
 @pytest.mark.parametrize("chunks", [
     [[3], [17], [30]],  # three prefills in one step
-    pytest.param([[1] * 3, [1] * 17, [1] * 30], marks=pytest.mark.heavy),  # decodes batched
+    [[1] * 3, [1] * 17, [1] * 30],  # decodes batched
     [[2, 1], [10, 7], [5, 5, 5, 15]],  # prefills, chunks and decodes mixed in each step
 ], ids=["prefill", "decode", "mixed"])
 def test_batched_model_matches_transformers(batched_model, peer, config, chunks):

@@ -484,6 +484,7 @@ def test_a_partial_hit_that_needs_the_whole_pool_is_admitted(model):
     assert_all_free(llm)
 
 
+@pytest.mark.heavy  # a second each: forks that swap under pressure
 @pytest.mark.parametrize("cache", [False, True])
 def test_fork_under_preemption_by_swap(model, cache):
     """Chapter 11's swaps and this chapter's copies are both made just before the forward pass,
