@@ -71,6 +71,7 @@ PUBLIC = PREFIXES[0][:2 * B]  # registered public prefix: the first two blocks o
 PUBLIC_HASHES = set(salted_block_hashes(PUBLIC, B))
 
 
+@pytest.mark.heavy  # a few tenths of a second or more: make test runs it, make check not
 @pytest.mark.parametrize("public", [False, True])
 @given(steps=st.lists(st.tuples(prompt, salts, st.booleans()), min_size=1, max_size=25))
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -98,6 +99,7 @@ def test_different_salts_never_share_a_block(public, steps):
             manager.free(held.pop(request.request_id))
 
 
+@pytest.mark.heavy  # a few tenths of a second or more: make test runs it, make check not
 @given(st.lists(prompt, min_size=1, max_size=25), st.text(min_size=1, max_size=5))
 @settings(max_examples=60, deadline=None)
 def test_one_salt_shares_exactly_as_no_salt(prompts, salt):
@@ -208,6 +210,7 @@ def test_both_prompt_forms_carry_the_salt(model):
     assert engine.requests[request_id].cache_salt == "a"
 
 
+@pytest.mark.heavy  # a few tenths of a second or more: make test runs it, make check not
 @pytest.mark.parametrize("bad", ["", 3, b"a", ["a"], 1.5])
 def test_a_bad_salt_is_refused_and_nothing_is_queued(model, bad):
     llm = LLM(model=model, max_model_len=128)

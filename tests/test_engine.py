@@ -103,6 +103,7 @@ def test_the_batched_cpu_path_gives_the_reference_tokens(model, prompts):
         o.outputs[0].token_ids for o in outputs["torch"]]
 
 
+@pytest.mark.heavy  # a few tenths of a second or more: make test runs it, make check not
 def test_seeded_sampling_survives_preemption(model, prompts):
     params = [SamplingParams(temperature=1.0, top_p=0.9, seed=i, max_tokens=10, ignore_eos=True)
               for i in range(len(prompts))]
@@ -126,6 +127,7 @@ def test_stream_yields_each_token_once(model, prompts):
     assert list(pieces.values()) == [o.outputs[0].token_ids for o in whole]
 
 
+@pytest.mark.heavy  # a few tenths of a second or more: make test runs it, make check not
 def test_abandoned_stream_frees_its_blocks(model, prompts):
     llm = LLM(model=model, max_model_len=128)
     stream = llm.stream({"prompt_token_ids": prompts[3]}, SamplingParams(max_tokens=50))
@@ -146,6 +148,7 @@ def test_allocator_called_once_per_block_in_decode(model):
     assert stats["num_allocator_calls"] == -(-(9 + 100 - 1) // 16)
 
 
+@pytest.mark.heavy  # a few tenths of a second or more: make test runs it, make check not
 def test_metrics_and_counters(model):
     llm = LLM(model=model, **REGIMES["starved"])
     outputs = llm.generate([{"prompt_token_ids": [1] * 30}] * 4,
@@ -194,6 +197,7 @@ def test_bad_engine_options_name_the_field(model, options, field):
         LLM(model=model, **options)
 
 
+@pytest.mark.heavy  # a few tenths of a second or more: make test runs it, make check not
 def test_prefix_caching_is_on_by_default_as_in_vllm(model):
     from minipaged.llm import KV_CACHE_MANAGER_CLASSES
     from minipaged.prefix_cache import PrefixCachingKVCacheManager
@@ -309,6 +313,7 @@ def finish_kept(llm, model):
     assert engine.pool.get_num_free_blocks() == engine.pool.num_blocks and not engine.requests
 
 
+@pytest.mark.heavy  # a few tenths of a second or more: make test runs it, make check not
 @pytest.mark.parametrize("field, arguments", BAD_GENERATE_ARGUMENTS,
                          ids=[f"{f}-{i}" for i, (f, _) in enumerate(BAD_GENERATE_ARGUMENTS)])
 def test_catalogued_bad_arguments_are_refused_by_generate_and_stream_changing_nothing(
@@ -322,6 +327,7 @@ def test_catalogued_bad_arguments_are_refused_by_generate_and_stream_changing_no
     finish_kept(guarded, model)
 
 
+@pytest.mark.heavy  # a few tenths of a second or more: make test runs it, make check not
 @pytest.mark.parametrize("option, value", BAD_LLM_OPTIONS,
                          ids=[f"{o}={reprlib.repr(v)}" for o, v in BAD_LLM_OPTIONS])
 def test_catalogued_bad_options_are_refused_naming_the_option(model, guarded, option, value):
@@ -481,6 +487,7 @@ THREE = [{"prompt_token_ids": p} for p in ([1, 2, 3], [4, 5, 6, 7], [8, 9])]
 TEN_TOKENS = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
 
+@pytest.mark.heavy  # a few tenths of a second or more: make test runs it, make check not
 @pytest.mark.parametrize("error", [RuntimeError("the forward pass failed"), KeyboardInterrupt()])
 def test_generate_withdraws_its_requests_on_any_exception(model, error):
     llm = LLM(model=model, max_model_len=64, num_gpu_blocks_override=10)
@@ -663,6 +670,7 @@ def test_random_workloads_oversubscribed_give_the_ample_answers_and_free_the_poo
 
 # ---- the cache's size: what the workload can use on a CPU, a clear refusal on a full GPU ----
 
+@pytest.mark.heavy  # a few tenths of a second or more: make test runs it, make check not
 def test_cpu_default_cache_holds_what_the_workload_can_use_and_says_so(model, caplog):
     per_block = model.config.model_shape(4).kv_bytes_per_token * 16
     with caplog.at_level("INFO", logger="minipaged"):

@@ -54,6 +54,7 @@ def test_every_checker_has_a_solution_and_wrong_answers(module):
         assert callable(solution) and wrong, f"{module}.{name}: a solution and a wrong answer"
 
 
+@pytest.mark.heavy  # a few tenths of a second or more: make test runs it, make check not
 @pytest.mark.parametrize(("module", "name"), every_checker())
 def test_checker_accepts_the_solution_and_rejects_wrong_answers(module, name):
     check = checkers(module)[name]
@@ -78,6 +79,7 @@ def exercise_section(chapter: Path) -> str:
     return sections[-1]
 
 
+@pytest.mark.heavy  # a few tenths of a second or more: make test runs it, make check not
 @pytest.mark.parametrize("chapter", LAST_PAGES, ids=lambda path: path.name)
 def test_chapter_ends_with_exercises_one_of_which_checks_itself(chapter):
     section = exercise_section(chapter)

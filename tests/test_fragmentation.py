@@ -164,6 +164,7 @@ def test_load_rejects_bad_input(load, pool, field):
 # ---------------------------------------------------------------- the search structures
 
 
+@pytest.mark.heavy  # a few tenths of a second or more: make test runs it, make check not
 @settings(max_examples=60, deadline=None)
 @given(size=st.integers(1, 40), writes=st.lists(st.tuples(st.integers(0, 39), st.integers(0, 50))),
        query=st.integers(0, 55))
@@ -228,6 +229,7 @@ def run_program(allocator: Allocator, program, check):
     assert allocator.held_tokens == 0 and allocator.requested_tokens == 0 and not allocator.live
 
 
+@pytest.mark.heavy  # a few tenths of a second or more: make test runs it, make check not
 @pytest.mark.parametrize("fit", ["first", "best"])
 @settings(max_examples=80, deadline=None)
 @given(pool=st.integers(1, 40), program=operations)
@@ -262,6 +264,7 @@ def test_exact_fit_refuses_only_when_no_run_is_long_enough(fit, pool, program):
     run_program(allocator, program, check)
 
 
+@pytest.mark.heavy  # a few tenths of a second or more: make test runs it, make check not
 @settings(max_examples=80, deadline=None)
 @given(extra=st.integers(0, 59), block_size=st.integers(1, 8), program=operations)
 def test_blocks_refuse_only_when_too_few_blocks_are_free(extra, block_size, program):
@@ -279,6 +282,7 @@ def test_blocks_refuse_only_when_too_few_blocks_are_free(extra, block_size, prog
     run_program(allocator, program, check)
 
 
+@pytest.mark.heavy  # a few tenths of a second or more: make test runs it, make check not
 @settings(max_examples=50, deadline=None)
 @given(slots=st.integers(1, 6), extra=st.integers(0, 3), program=operations)
 def test_reservation_is_a_fixed_number_of_slots(slots, extra, program):
@@ -451,6 +455,7 @@ def test_warmup_must_leave_a_window(warmup):
     assert result.refusal_rate == 0 and result.refused_token_seconds == 0
 
 
+@pytest.mark.heavy  # a few tenths of a second or more: make test runs it, make check not
 def test_refused_token_seconds_against_a_loop():
     trace = make_workload(3_000, arrival_rate_for_load(1.2, 40_000), seed=8)
     for allocator in three_allocators(40_000):

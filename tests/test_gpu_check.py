@@ -53,6 +53,7 @@ def test_strip_magics_turns_magics_into_pass():
     assert chapters.strip_magics("%%time\nx = 1") == ""
 
 
+@pytest.mark.heavy  # a few tenths of a second or more: make test runs it, make check not
 @pytest.mark.parametrize("chapter", sorted(stages.CHAPTERS.values()))
 def test_every_cell_of_the_checked_chapters_compiles_once_stripped(chapter):
     cells = chapters.code_cells(ROOT / "chapters" / f"{chapter}.ipynb")

@@ -141,6 +141,7 @@ def test_the_graph_counts_imports_made_for_their_side_effects_and_follows_them(t
     assert imported_modules("import minipaged.kernels\nminipaged.kernels.f") == {"kernels"}
 
 
+@pytest.mark.heavy  # a few tenths of a second or more: make test runs it, make check not
 def test_chapter_9_runs_when_the_block_pool_changes_though_it_imports_only_the_subclass():
     tangle = tangle_tool()
     package = ROOT / "minipaged"

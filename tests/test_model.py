@@ -628,6 +628,7 @@ def test_refuses_unknown_backend_and_scale(config):
         random_model(config, initializer_range=0)
 
 
+@pytest.mark.heavy  # a few tenths of a second or more: make test runs it, make check not
 def test_metadata_is_a_plain_argument(model, config):
     """Two caches, two metadata objects, interleaved: nothing is shared through globals."""
     prompts = make_prompts([6, 6], config.vocab_size, seed=8)

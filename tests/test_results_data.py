@@ -80,6 +80,7 @@ def test_results_dir_falls_back_on_the_copy_an_installed_package_carries(tmp_pat
 
 # ---- what the package carries ----
 
+@pytest.mark.heavy  # a few tenths of a second or more: make test runs it, make check not
 def test_the_package_data_selects_every_committed_result_and_a_gpu_runs_tables(tmp_path):
     committed = {path.relative_to(RESULTS).as_posix() for path in RESULTS.rglob("*")
                  if path.is_file() and path.suffix != ".tmp" and "logs" not in path.parts}
@@ -173,6 +174,7 @@ def test_the_walker_catches_a_repository_read():
     assert not repository_reads('meminfo = open("/proc/meminfo")')
 
 
+@pytest.mark.heavy  # a few tenths of a second or more: make test runs it, make check not
 @pytest.mark.parametrize("chapter", sorted(p.name for p in (ROOT / "chapters").glob("[0-9]*.md")))
 def test_no_chapter_cell_reads_a_file_that_a_pip_install_lacks(chapter):
     notebook = jupytext.read(ROOT / "chapters" / chapter)

@@ -104,6 +104,7 @@ def test_generate_returns_one_output_with_n_completions(model, mode):
     assert_all_free(llm)
 
 
+@pytest.mark.heavy  # a few tenths of a second or more: make test runs it, make check not
 @pytest.mark.parametrize("mode", ["split", "fork"])
 def test_stream_with_n_gives_the_same_tokens_as_generate(model, mode):
     prompts = [{"prompt_token_ids": prompt_of(21)}, {"prompt_token_ids": prompt_of(5, 2)}]
@@ -128,6 +129,7 @@ def test_a_stream_closed_early_withdraws_held_children(model):
 # --- fork against split --------------------------------------------------------------------
 
 
+@pytest.mark.heavy  # a few tenths of a second or more: make test runs it, make check not
 @pytest.mark.parametrize("cache", [False, True])
 @pytest.mark.parametrize("seed", [3, None])
 def test_fork_and_split_sample_the_same_tokens(model, cache, seed):
@@ -274,6 +276,7 @@ def test_a_refused_copy_changes_nothing():
 # --- preempting one child of a forked group ------------------------------------------------
 
 
+@pytest.mark.heavy  # a few tenths of a second or more: make test runs it, make check not
 @pytest.mark.parametrize("cache", [False, True])
 def test_preempting_one_forked_child(model, cache):
     """The victim drops its count on every shared block (they survive: its siblings hold them),
@@ -535,6 +538,7 @@ def test_aborting_the_id_the_outputs_carry_stops_every_child(model, mode):
     assert_all_free(llm)
 
 
+@pytest.mark.heavy  # a few tenths of a second or more: make test runs it, make check not
 @pytest.mark.parametrize("cache", [False, True])
 def test_aborting_child_0_before_its_prompt_is_done_releases_its_siblings(model, cache):
     prompt = prompt_of(37)

@@ -71,6 +71,7 @@ def test_bad_mappings_are_refused_before_any_copy():
 # --- the property: a swap-out then a swap-in restores the same bytes ---------------------------
 
 
+@pytest.mark.heavy  # a few tenths of a second or more: make test runs it, make check not
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(block_size=st.sampled_from([1, 2, 4]),
        prompts=st.lists(st.tuples(st.integers(0, 2), st.integers(1, 12)), min_size=1, max_size=5),
@@ -323,6 +324,7 @@ def test_the_swapping_engine_needs_a_swap_scheduler(model):
         LLM(model=model, max_model_len=64, num_gpu_blocks_override=8, engine_cls=SwappingEngine)
 
 
+@pytest.mark.heavy  # a few tenths of a second or more: make test runs it, make check not
 def test_the_engine_makes_the_steps_swaps_before_its_forward_pass(model, monkeypatch):
     calls = []
     engine = SwappingEngine(model, 8, max_model_len=64, scheduler_cls=SwapScheduler,
