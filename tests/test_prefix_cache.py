@@ -450,6 +450,27 @@ def test_hashless_blocks_freed_in_one_call_reach_the_head_in_the_order_given():
     assert [b.block_id for b in pool.free_block_queue][:3] == [b.block_id for b in taken]
 
 
+def test_a_block_freed_twice_in_one_call_moves_to_the_head_once():
+    pool = PrefixCachingBlockPool(num_blocks=4, block_size=4)
+    shared, other = pool.get_new_blocks(2)
+    pool.touch([shared])  # two owners, both given back in one call
+    pool.free_blocks([other, shared, shared])
+    order = [b.block_id for b in pool.free_block_queue]
+    assert order == [other.block_id, shared.block_id, 2, 3] and len(pool.free_block_queue) == 4
+    assert shared.ref_cnt == other.ref_cnt == 0
+
+
+def test_an_overdrawn_light_release_puts_every_count_back_in_the_prefix_pool():
+    pool = PrefixCachingBlockPool(num_blocks=4, block_size=4)
+    table = BlockTable(pool)
+    table.ensure_capacity(8)
+    pool.free_blocks(table.blocks[1:])  # block 1 freed behind the table's back
+    before = [b.ref_cnt for b in pool.blocks], [b.block_id for b in pool.free_block_queue]
+    with pytest.raises(ValueError, match="block 1 is freed more often than held"):
+        table.free()
+    assert ([b.ref_cnt for b in pool.blocks], [b.block_id for b in pool.free_block_queue]) == before
+
+
 def test_a_readmitted_request_counts_only_under_preempted_as_in_vllm():
     """Admit, preempt, readmit one request: vLLM's PrefixCacheStats.record counts the first
     admission in requests/queries/hits and the return in preempted_* alone."""

@@ -179,7 +179,7 @@ def test_allocate_slots_builds_a_table_only_when_it_is_missing(monkeypatch):
         r.num_computed_tokens += 1
     assert CountedTable.built == 1 and manager.get_block_table(r) is table
     assert table.block_ids == [0, 1, 2] and manager.pool.num_allocator_calls == 3
-    assert manager.allocate_slots(r, 0) == [] and CountedTable.built == 1  # nothing new, none built
+    assert manager.allocate_slots(r, 0) == () and CountedTable.built == 1  # nothing new, none built
 
 
 @pytest.mark.parametrize("num_new_tokens", [-1, 1.5, True, "3", None])
