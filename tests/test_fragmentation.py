@@ -596,6 +596,23 @@ def test_every_catalogued_mistake_is_a_value_error_naming_its_argument(call, fie
         attempt()
 
 
+def test_each_catalogued_text_is_the_call_its_entry_makes():
+    # the chapter shows the text and the tests run the lambda: the same text, evaluated here,
+    # must fail with the very same message
+    import math
+
+    from minipaged import fragmentation
+
+    names = {**vars(fragmentation), "nan": math.nan, "inf": math.inf}
+    for call, _, attempt in bad_input_catalogue():
+        trace = fragmentation.Workload([0.0, 1.0], [1, 1], [1, 1], 1.0)
+        with pytest.raises(ValueError) as by_text:
+            eval(call, {**names, "trace": trace})  # noqa: S307 - the catalogue's own texts
+        with pytest.raises(ValueError) as by_code:
+            attempt()
+        assert str(by_text.value) == str(by_code.value), call
+
+
 @pytest.mark.parametrize("arrivals", [["0", "1"], [True, False], [0.0, None], [b"0", b"1"],
                                       np.array([0, 1], dtype=object)])
 def test_arrivals_must_be_numbers_not_text_or_booleans(arrivals):
