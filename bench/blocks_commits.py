@@ -35,42 +35,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results" / "blocks_commits.csv"
 SIZES = [1_000, 10_000, 100_000]
-PEER = "peer"
-
-
-def streams(blocks, num_blocks: int) -> dict[tuple[str, str], object]:
-    """The streams bench/blocks.py times, by (operation, side), for one pool size."""
-    rng = random.Random(num_blocks)  # the same draws as bench/blocks.py's measure()
-    window, lengths = blocks.churn_stream(num_blocks, rng)
-    victims = blocks.hit_stream(num_blocks, rng)
-    n = num_blocks
-    return {
-        ("churn", PEER): lambda: blocks.churn_peer(n, window, lengths),
-        ("churn", "KVCacheManager"): lambda: blocks.churn_manager(n, window, lengths),
-        ("churn", "BlockTable"): lambda: blocks.churn_table(n, window, lengths),
-        ("decode step", PEER): lambda: blocks.step_peer(n),
-        ("decode step", "KVCacheManager"): lambda: blocks.step_manager(n),
-        ("decode step", "PrefixCachingKVCacheManager"): lambda: blocks.step_prefix_manager(n),
-        ("decode step", "BlockTable"): lambda: blocks.step_table(n),
-        ("decode growth", PEER): lambda: blocks.growth_peer(n),
-        ("decode growth", "KVCacheManager"): lambda: blocks.growth_manager(n),
-        ("decode growth", "BlockTable"): lambda: blocks.growth_table(n),
-        ("hit on a free block", PEER): lambda: blocks.hit_peer(n, victims),
-        ("hit on a free block", "PrefixCachingBlockPool"): lambda: blocks.hit_pool(n, victims),
-    }
+PEER = "nano-vllm BlockManager (rebuilt)"  # bench/blocks.py's name for the peer
 
 
 def child(tree: str, repeats: int, sizes: list[int]) -> None:
-    """In a process of its own: time every stream of tree's bench/blocks.py, print JSON."""
+    """In a process of its own: tree's bench/blocks.py measures every stream; print JSON."""
     sys.path.insert(0, tree)
     spec = importlib.util.spec_from_file_location("tree_blocks", Path(tree) / "bench" / "blocks.py")
     blocks = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(blocks)
     best = {}
-    for num_blocks in sizes:
-        for (operation, side), run in streams(blocks, num_blocks).items():
-            samples = [run() for _ in range(repeats)]  # (seconds, operations) each
-            best[f"{operation}|{num_blocks}|{side}"] = min(1e9 * s / c for s, c in samples)
+    for num_blocks in sizes:  # the same seed per pool size as bench/blocks.py's main()
+        for row in blocks.measure(num_blocks, repeats, random.Random(num_blocks)):
+            best[f"{row['operation']}|{num_blocks}|{row['side']}"] = row["min_ns"]
     print(json.dumps(best))
 
 
@@ -117,14 +94,14 @@ def main() -> None:
         if side == PEER:
             continue
         peer_key = f"{operation}|{num_blocks}|{PEER}"
-        row = {"operation": operation, "num_blocks": int(num_blocks), "side": f"minipaged {side}",
+        row = {"operation": operation, "num_blocks": int(num_blocks), "side": side,
                "old_commit": old_rev, "rounds": args.rounds, "repeats": args.repeats}
         for name in ("old", "new"):
             row[f"{name}_min_ns"] = round(best[name][key], 1)
             row[f"{name}_peer_min_ns"] = round(best[name][peer_key], 1)
             row[f"{name}_ratio"] = round(best[name][key] / best[name][peer_key], 3)
         rows.append(row)
-        print(f"{operation:>20} {int(num_blocks):>9,} {side:>28}  "
+        print(f"{operation:>20} {int(num_blocks):>9,} {side:>38}  "
               f"old {row['old_min_ns']:>8,.1f} ns ({row['old_ratio']:.3f}x)  "
               f"new {row['new_min_ns']:>8,.1f} ns ({row['new_ratio']:.3f}x)")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
