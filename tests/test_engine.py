@@ -356,19 +356,23 @@ def test_bad_vllm_options_of_the_package_llm_are_refused_naming_the_option(model
         LLM(model=model, **{option: value})
 
 
-def test_chapter_7_llm_takes_classes_and_the_package_llm_chooses_them(model):
-    from minipaged.frontend import LLM as ChapterSevenLLM
+def test_chapter_7s_front_end_takes_classes_and_the_package_llm_chooses_them(model):
+    from minipaged.frontend import LLMFrontEnd
     from minipaged.prefix_cache import PrefixCachingKVCacheManager
 
-    plain = ChapterSevenLLM(model=model, num_gpu_blocks_override=64, max_model_len=128)
+    plain = LLMFrontEnd(model=model, num_gpu_blocks_override=64, max_model_len=128)
     assert type(plain.llm_engine.scheduler.kv_cache_manager) is minipaged.scheduler.KVCacheManager
-    cached = ChapterSevenLLM(model=model, num_gpu_blocks_override=64, max_model_len=128,
-                             kv_cache_manager_cls=PrefixCachingKVCacheManager)
+    cached = LLMFrontEnd(model=model, num_gpu_blocks_override=64, max_model_len=128,
+                         kv_cache_manager_cls=PrefixCachingKVCacheManager)
     assert type(cached.llm_engine.scheduler.kv_cache_manager) is PrefixCachingKVCacheManager
     with pytest.raises(ValueError, match="enable_prefix_caching"):  # not chapter 7's option
-        ChapterSevenLLM(model=model, enable_prefix_caching=True)
-    with pytest.raises(ValueError, match="kv_cache_manager_cls is chosen"):
+        LLMFrontEnd(model=model, enable_prefix_caching=True)
+    with pytest.raises(ValueError, match="FrontEndArgs has no option 'enable_prefix_cach"):
+        LLMFrontEnd(model=model, enable_prefix_caching=True)
+    with pytest.raises(ValueError, match="kv_cache_manager_cls is chosen.*LLMFrontEnd"):
         LLM(model=model, kv_cache_manager_cls=PrefixCachingKVCacheManager)
+    with pytest.raises(ValueError, match="EngineArgs has no option 'no_such'"):
+        LLM(model=model, no_such=1)
 
 
 def test_zero_is_not_the_default():

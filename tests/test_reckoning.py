@@ -87,7 +87,7 @@ def test_a_value_comes_only_from_a_chapter_record(tmp_path):
     assert rows[figure.name]["minipaged"] == 1_814
     assert rows[figure.name]["measured"].source == str(tmp_path / "03_block_pool.json")
     assert rows[figure.name]["measured"].where == "CPU, small size"
-    assert rows[figure.name]["verdict"] == "reproduced"
+    assert rows[figure.name]["verdict"] == "reproduced (within ±0.5, half the study's last digit)"
     # chapter 4 ran but glued none of its figures: no value, and the verdict says so
     assert rows["tile_macs"]["minipaged"] is None
     assert rows["tile_macs"]["verdict"].startswith("not yet measured: chapter 4 ran without")
@@ -103,11 +103,13 @@ def test_verdicts_follow_the_studys_precision_and_the_size_of_the_run(tmp_path):
     rows = {row["figure"].name: row for row in reproduction_rows(directory=tmp_path,
                                                                  root=tmp_path)}
     assert rows["tail_share_16"]["minipaged"] == pytest.approx(2.82)
-    assert rows["tail_share_16"]["verdict"] == "reproduced"
-    assert rows["gain_equal_256"]["verdict"].startswith("differs")  # 8.0 printed: 7.2 is not it
-    assert rows["reservation_over_tail"]["verdict"] == "reproduced"  # "over a hundred"
-    assert rows["sixteen_off_s"]["verdict"].startswith("not measurable here, because a CPU")
-    assert rows["sixteen_off_s"]["minipaged"] == 3.1  # shown all the same
+    assert rows["tail_share_16"]["verdict"] == "reproduced (within ±0.2 points)"  # a sample
+    assert rows["gain_equal_256"]["verdict"].startswith(  # 8.0 printed: 7.2 is not it
+        "differs (within ±0.05x, half the study's last digit)")
+    assert rows["reservation_over_tail"]["verdict"] == "reproduced (at least the study's 100x)"
+    assert rows["sixteen_off_s"]["verdict"].startswith("not comparable at small size, because")
+    assert rows["sixteen_off_s"]["minipaged"] == 3.1  # shown all the same, with no ratio
+    assert rows["sixteen_off_s"]["ratio"] is None
 
 
 def test_a_gpu_run_at_full_size_is_preferred(tmp_path):
@@ -200,8 +202,32 @@ def test_derived_rows_say_so_and_worded_rows_show_the_studys_words(tmp_path):
                                                                  root=tmp_path)}
     # arithmetic on the study's own figures is never called a reproduction
     assert rows["start_to_start_blocks"]["verdict"].startswith("derived, not measured: ")
-    assert rows["all_tables_kib"]["verdict"] == "reproduced"
+    assert rows["all_tables_kib"]["verdict"] == "reproduced (within ±200 KiB)"
     table = reproduction_table([rows["all_tables_kib"]])
     assert "“a few hundred kilobytes”" in table and ">300 KiB<" not in table
     cells = re.findall(r"<td[^>]*>([^<]*)</td>", table)
     assert cells[4] == "—"  # no ratio against a number the study never printed
+
+
+def test_every_row_has_one_kind_and_rows_of_one_run_read_alike(tmp_path):
+    from minipaged.reckoning import VERDICT_KINDS
+
+    record(tmp_path, "01_kv_memory", {"reservations_fit": 573, "reservations_gib": 13.43,
+                                      "t4_tokens_70": 738_976})
+    record(tmp_path, "08_prefix_caching", {"preempt_starved_requests": 60,
+                                           "preempt_starved_queries": 9000,
+                                           "preempt_starved_hits": 31,
+                                           "preempt_starved_found": 0.35})
+    rows = reproduction_rows(directory=tmp_path, root=tmp_path / "none")
+    assert all(row["kind"] in VERDICT_KINDS and row["verdict"].startswith(row["kind"])
+               for row in rows)
+    by_name = {row["figure"].name: row for row in rows}
+    # a count and the memory it holds come from one simulated card: one kind for both
+    assert by_name["reservations_fit"]["kind"] == by_name["reservations_gib"]["kind"] == "derived"
+    # the four figures of chapter 8's starved run at small size: one kind, no ratio
+    starved = [by_name[n] for n in ("preempt_starved_requests", "preempt_starved_queries",
+                                    "preempt_starved_hits", "preempt_starved_found")]
+    assert {row["kind"] for row in starved} == {"not comparable at small size"}
+    assert all(row["ratio"] is None and row["minipaged"] is not None for row in starved)
+    # a widened tolerance is named beside the verdict
+    assert by_name["t4_tokens_70"]["verdict"] == "reproduced (within ±16 tokens)"

@@ -365,19 +365,19 @@ def test_the_engine_classes_refuse_a_manager_that_cannot_serve_them(model):
             engine_cls=ForkingEngine)
 
 
-def test_chapter_7s_llm_takes_the_classes_themselves(model):
-    from minipaged.frontend import LLM as FrontendLLM
+def test_chapter_7s_front_end_takes_the_classes_themselves(model):
+    from minipaged.frontend import LLMFrontEnd
 
     prompt = {"prompt_token_ids": prompt_of(37)}
     params = SamplingParams(n=3, seed=2, max_tokens=5, ignore_eos=True)
-    llm = FrontendLLM(model, max_model_len=MAX_LEN, num_gpu_blocks_override=64,
+    llm = LLMFrontEnd(model, max_model_len=MAX_LEN, num_gpu_blocks_override=64,
                       engine_cls=ForkingEngine, kv_cache_manager_cls=CopyOnWriteKVCacheManager)
     assert type(llm.llm_engine) is ForkingEngine
     assert answers(llm, [prompt], params) == answers(make_llm(model, "split"), [prompt], params)
     assert llm.llm_engine.stats()["num_copied_blocks"] == 2
     assert_all_free(llm)
     with pytest.raises(ValueError, match="parallel_sampling"):  # an option of the package's LLM
-        FrontendLLM(model, max_model_len=MAX_LEN, parallel_sampling="fork")
+        LLMFrontEnd(model, max_model_len=MAX_LEN, parallel_sampling="fork")
 
 
 # --- sub-block prefix matching -------------------------------------------------------------

@@ -10,10 +10,11 @@ on the device and what ``runtime.pick`` returns at full size:
 * ``load_model(...)``, ``random_model(...)``, transformers' ``from_pretrained(...).to(device)``:
   weights, counted from the model's real configuration (Qwen2.5-0.5B's is read from chapter 6's
   ``QWEN2_5_0_5B_CONFIG`` cell), at the dtype's width;
-* ``LLM(...)`` and ``LLMEngine(...)`` on the device: their KV cache, sized by the engine's own
-  ``num_cache_blocks`` against the simulated card's free memory (so an engine left at the default
-  ``gpu_memory_utilization`` takes what the real one would), its model's weights unless shared,
-  and the activation peak of one step at ``max_num_batched_tokens`` (``activation_bytes``);
+* ``LLM(...)``, chapter 7's ``LLMFrontEnd(...)`` and ``LLMEngine(...)`` on the device: their KV
+  cache, sized by the engine's own ``num_cache_blocks`` against the simulated card's free memory
+  (so an engine left at the default ``gpu_memory_utilization`` takes what the real one would),
+  its model's weights unless shared, and the activation peak of one step at
+  ``max_num_batched_tokens`` (``activation_bytes``);
 * ``KVCache(...)`` and ``torch.empty/zeros`` on the device: their bytes.
 
 Everything else the chapters do evaluates to "unknown" and allocates nothing. An object lives as
@@ -56,7 +57,7 @@ from cell_walker import (  # noqa: E402  (a tool beside this one, not a package)
 )
 
 ROOT = Path(__file__).resolve().parent.parent
-ENGINE_CALLS = {"LLM", "LLMEngine"}
+ENGINE_CALLS = {"LLM", "LLMFrontEnd", "LLMEngine"}
 
 
 @dataclass(eq=False)
@@ -68,7 +69,7 @@ class Allocation:
     on_device: bool
     model: Allocation | None = None  # an engine's weights
     activation: int = 0  # an engine's peak for one step
-    options: dict = field(default_factory=dict)  # an engine's LLM options
+    options: dict = field(default_factory=dict)  # an engine's LLM or LLMFrontEnd options
     config: object = None  # a model's ModelConfig
     dtype_bytes: int = 2
 
@@ -203,7 +204,7 @@ def scheduled_work(requests: list[tuple[int, int]], num_blocks: int, block_size:
 
 def preemption_mode(options: dict) -> str:
     """How an engine built with these options preempts: the package LLM's preemption_mode, or
-    chapter 11's SwapScheduler handed to chapter 7's LLM as scheduler_cls."""
+    chapter 11's SwapScheduler handed to chapter 7's LLMFrontEnd as scheduler_cls."""
     swapping = getattr(options.get("scheduler_cls"), "__name__", "") == "SwapScheduler"
     return "swap" if swapping else options.get("preemption_mode", "recompute")
 
@@ -325,7 +326,8 @@ class Ledger(Walker):
         detect = Native(lambda *_: runtime)
         native = {
             "SamplingParams": Native(lambda led, a, k, n: Params(k)),
-            "LLM": Native(self.llm), "LLMEngine": Native(self.llm_engine),
+            "LLM": Native(self.llm), "LLMFrontEnd": Native(self.front_end),
+            "LLMEngine": Native(self.llm_engine),
             "KVCache": Native(self.kv_cache), "load_model": Native(self.load_model),
             "random_model": Native(self.random_model),
             "ModelConfig": Namespace(small=Native(lambda led, a, k, n:
@@ -564,12 +566,16 @@ class Ledger(Walker):
         self.result.work.weight_bytes = max(self.result.work.weight_bytes, model.nbytes)
         return UNKNOWN
 
-    def llm(self, ledger, args, kwargs, node) -> Allocation | Unknown:
+    def llm(self, ledger, args, kwargs, node, what: str = "LLM") -> Allocation | Unknown:
         model = self.model_of(args[0] if args else kwargs.get("model", "random"), kwargs)
         if not isinstance(model, Allocation) or model.config is None:
-            self.result.errors.append(f"line {self.line}: LLM of an unknown model")
+            self.result.errors.append(f"line {self.line}: {what} of an unknown model")
             return UNKNOWN
-        return self.engine(model, kwargs, "LLM")
+        return self.engine(model, kwargs, what)
+
+    def front_end(self, ledger, args, kwargs, node) -> Allocation | Unknown:
+        """Chapter 7's LLMFrontEnd: sized as the package's LLM, which subclasses it."""
+        return self.llm(ledger, args, kwargs, node, "LLMFrontEnd")
 
     def llm_engine(self, ledger, args, kwargs, node) -> Allocation | Unknown:
         names = ["model", "num_gpu_blocks", "block_size", "max_model_len", "max_num_seqs",

@@ -165,6 +165,14 @@ def _page_link(chapter: str) -> str:
     return "../" + chapter
 
 
+def _page_title(chapter: str) -> str:
+    """A chapter's title, its first top-level heading, as the sidebar shows it (the file's name
+    when it has none)."""
+    path = ROOT / chapter
+    lines = path.read_text(encoding="utf-8").splitlines() if path.exists() else []
+    return next((line[2:].strip() for line in lines if line.startswith("# ")), chapter)
+
+
 def render_api_page(modules: dict[str, Module]) -> str:
     """The book's API reference: one autodoc section per module, in chapter order."""
     lines = [
@@ -172,6 +180,9 @@ def render_api_page(modules: dict[str, Module]) -> str:
         "# API reference",
         "",
         "The package's public surface is small: `from minipaged import LLM, SamplingParams`. "
+        "`LLM` and its options, `EngineArgs`, keep vLLM's names (chapter 12, `minipaged.llm`); "
+        "they subclass chapter 7's front end, `LLMFrontEnd`, and its `FrontEndArgs` "
+        "(`minipaged.frontend`), which take the engine's parts as classes. "
         "The building blocks are importable from their modules, listed here in the order the "
         "chapters write them; each module's source names the chapter to edit.",
         "",
@@ -180,7 +191,7 @@ def render_api_page(modules: dict[str, Module]) -> str:
         lines += [
             f"## `minipaged.{module.name}`",
             "",
-            f"Written by [{module.chapter}](<{_page_link(module.chapter)}>).",
+            f"Written by [{_page_title(module.chapter)}](<{_page_link(module.chapter)}>).",
             "",
             "```{eval-rst}",
             f".. automodule:: minipaged.{module.name}",
