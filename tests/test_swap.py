@@ -411,7 +411,7 @@ def test_staged_copies_move_the_bytes_the_plain_copies_move(num_layers):
 
 def test_pinned_bytes_are_the_allocators_power_of_two():
     """torch's caching host allocator pins the next power of two of a request's bytes."""
-    from minipaged.memory import GiB, MiB, QWEN2_5_0_5B
+    from minipaged.memory import QWEN2_5_0_5B, GiB, MiB
     from minipaged.swap import pinned_bytes
 
     assert [pinned_bytes(n) for n in (0, 1, 2, 3, 4, 5, 1000)] == [0, 1, 2, 4, 4, 8, 1024]

@@ -143,7 +143,7 @@ def test_chapter_11_pins_only_its_staging_and_nothing_after_release(t4_ledger, c
     """Chapter 11 at full size: the host pools are pageable and sized to the workloads; the
     only pinned memory is the staging pair, at most two powers of two as large as one layer of
     vLLM's default 4 GiB pool; every release() leaves nothing pinned; the VM holds it all."""
-    from minipaged.memory import GiB, QWEN2_5_0_5B
+    from minipaged.memory import QWEN2_5_0_5B, GiB
     from minipaged.swap import pinned_bytes
 
     notebook = next(n for n in CHAPTERS if n.stem == "11_swap")
@@ -164,7 +164,7 @@ WORK = ("prompts = [{'prompt_token_ids': [1] * 9} for _ in range(200)]\n"
 
 def test_two_swap_engines_in_a_row_fit_the_vm_when_release_empties_the_pinned_cache(t4_ledger,
                                                                                      tmp_path):
-    from minipaged.memory import GiB, QWEN2_5_0_5B
+    from minipaged.memory import QWEN2_5_0_5B, GiB
     from minipaged.swap import pinned_bytes
 
     engine = SWAP_ENGINE.format(gib=4)

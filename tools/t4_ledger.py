@@ -250,7 +250,8 @@ def activation_bytes(config, num_tokens: int, num_rows: int, dtype_bytes: int) -
     """An upper bound on one step's transient memory: for each of num_tokens tokens, the
     residual, normed and attention-output rows (4 x hidden), q, k, v, the MLP's gate, up and
     activated rows (3 x intermediate) in the model's dtype, held together in one layer; and the
-    logits of num_rows sampled rows over the vocabulary in fp32, twice (logits, probabilities)."""
+    logits of num_rows sampled rows over the vocabulary in fp32, twice (the logits and the
+    engine's copy of the sampled rows, which chapter 7's profile of a full step holds too)."""
     q_kv = (config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim
     per_token = 4 * config.hidden_size + q_kv + 3 * config.intermediate_size
     return num_tokens * per_token * dtype_bytes + 2 * num_rows * config.vocab_size * 4
