@@ -97,10 +97,10 @@ def test_pinned_bytes_are_read_under_either_torchs_names(pretend_cuda, monkeypat
         monkeypatch.setattr(torch.cuda, "host_memory_stats", lambda: found, raising=False)
         return pinned_host_bytes()
 
-    # torch 2.7-2.9: blocks held in reserved_bytes, those handed out in allocated_bytes
+    # an older layout: blocks held in reserved_bytes, those handed out in allocated_bytes
     assert stats({"reserved_bytes.current": 3 * 2**20, "allocated_bytes.current": 2**20}) \
         == 3 * 2**20
-    # later torch: allocated_bytes counts held blocks, in use and cached (active_bytes in use)
+    # torch 2.13's: allocated_bytes counts held blocks, in use and cached (active_bytes: in use)
     assert stats({"allocated_bytes.current": 5 * 2**20, "active_bytes.current": 0}) == 5 * 2**20
     assert stats({}) is None
     monkeypatch.delattr(torch.cuda, "host_memory_stats")
