@@ -388,7 +388,8 @@ def test_staged_copies_move_the_bytes_the_plain_copies_move(num_layers):
     log = []
     events = [LoggingEvent(0, log), LoggingEvent(1, log)]
     staged_swap_out(cache.layers, staged.layers, device_ids, host_ids, staging, events)
-    assert all(torch.equal(a, b) for a, b in zip(plain.layers, staged.layers))
+    # the pool is not filled when taken: only the blocks written hold known bytes
+    assert all(torch.equal(a[host_ids], b[host_ids]) for a, b in zip(plain.layers, staged.layers))
     for name in (0, 1):  # each copy lands before the CPU reads its buffer or it is reused
         calls = calls_of(log, name)
         assert calls == ["record", "synchronize"] * (len(calls) // 2)
@@ -408,33 +409,53 @@ def test_staged_copies_move_the_bytes_the_plain_copies_move(num_layers):
         assert restored[untouched].isnan().all()
 
 
-def test_on_a_gpu_the_host_pool_and_the_staging_buffers_are_pinned(monkeypatch):
+def test_pinned_bytes_are_the_allocators_power_of_two():
+    """torch's caching host allocator pins the next power of two of a request's bytes."""
+    from minipaged.memory import QWEN2_5_0_5B, GiB, MiB
+    from minipaged.swap import pinned_bytes
+
+    assert [pinned_bytes(n) for n in (0, 1, 2, 3, 4, 5, 1000)] == [0, 1, 2, 4, 4, 8, 1024]
+    assert pinned_bytes(2**20) == 2**20 and pinned_bytes(2**20 + 1) == 2**21
+    # the issue's figure: vLLM's default 4 GiB over Qwen2.5-0.5B's 24 layers, one tensor each
+    block = 16 * QWEN2_5_0_5B.kv_bytes_per_token
+    layer = 4 * GiB // block * block // QWEN2_5_0_5B.num_layers
+    assert 170 * MiB < layer < 171 * MiB and pinned_bytes(layer) == 256 * MiB
+    assert QWEN2_5_0_5B.num_layers * pinned_bytes(layer) == 6 * GiB
+
+
+def test_on_a_gpu_only_the_staging_buffers_are_pinned_at_the_allocators_size(monkeypatch):
     import minipaged.swap
 
-    pins, zeros, empty = [], torch.zeros, torch.empty
+    pins, empty, emptied = [], torch.empty, []
 
-    def recording(allocate):
-        def allocate_unpinned(*args, pin_memory=False, **kwargs):
-            pins.append((allocate.__name__, pin_memory))
-            return allocate(*args, **kwargs)  # this machine has nothing to pin with
-        return allocate_unpinned
+    def allocate_unpinned(*args, pin_memory=False, **kwargs):
+        pins.append(pin_memory)
+        return empty(*args, **kwargs)  # this machine has nothing to pin with
 
-    cache = random_cache(8, 4)
+    cache = random_cache(8, 4)  # 256 bytes a block in each layer
     originals = [layer[[1, 4, 6]].clone() for layer in cache.layers]
     monkeypatch.setattr(minipaged.swap, "pinned_host", lambda device: True)  # "a GPU"
-    monkeypatch.setattr(torch, "zeros", recording(zeros))
-    monkeypatch.setattr(torch, "empty", recording(empty))
-    host = HostKVCache(num_blocks=4, block_size=4)
+    monkeypatch.setattr(minipaged.swap, "empty_host_cache", lambda: emptied.append(len(pins)))
+    monkeypatch.setattr(torch, "empty", allocate_unpinned)
+    host = HostKVCache(num_blocks=8, block_size=4)
     host.swap_out_blocks(cache, [(1, 0), (4, 1), (6, 2)])
     for layer in cache.layers:
         layer[[1, 4, 6]] = float("nan")
     host.swap_in_blocks(cache, [(0, 7), (1, 0), (2, 3)])
+    assert pins == [False] * 2 + [True] * 2  # the pool's layers pageable, the staging pinned
+    assert emptied == [2]  # torch's cache emptied as the first pair was made
+    # 3 blocks of 256 bytes would pin 1,024 bytes anyway: each buffer takes 4 blocks
+    assert len(host.staging) == 2 and host.staging[0].shape[0] == 4
+    assert host.num_pinned_bytes() == 2 * 1024
+    host.swap_out_blocks(cache, [(b, b) for b in range(3, 8)])  # 5 blocks: the pair grows
+    assert pins[4:] == [True] * 2 and emptied == [2, 4] and host.staging[0].shape[0] == 8
+    assert host.num_pinned_bytes() == 2 * 2048
     monkeypatch.undo()
-    assert pins == [("zeros", True)] * 2 + [("empty", True)] * 2  # pool layers, then staging
-    assert len(host.staging) == 2 and host.staging[0].shape[0] == 3
     assert all(torch.equal(layer[[7, 0, 3]], o) for layer, o in zip(cache.layers, originals))
-    assert host.num_bytes_swapped_out == host.num_bytes_swapped_in == 3 * host.bytes_per_block(
-        cache)
+    assert host.num_bytes_swapped_out == 8 * host.bytes_per_block(cache)
+    plain = HostKVCache(num_blocks=4, block_size=4)  # on a CPU: no staging, nothing pinned
+    plain.swap_out_blocks(cache, [(0, 0)])
+    assert plain.staging == [] and plain.num_pinned_bytes() == 0
 
 
 # --- the host pool's size: a budget in bytes, bounded by the host's memory -------------------
@@ -483,8 +504,11 @@ def test_a_host_pool_larger_than_the_host_is_refused_before_anything_is_taken(mo
     host = scheduler.host
     with pytest.raises(ValueError, match="num_cpu_blocks=11 .* 10,000 bytes"):
         scheduler.set_num_cpu_blocks(11)
-    with pytest.raises(ValueError, match="swap_space"):
-        scheduler.set_swap_space(10_001, block_bytes=1000)
+    scheduler.set_swap_space(10_999, block_bytes=1000)  # buys 10 blocks: 10,000 bytes fit
+    assert scheduler.host.pool.num_blocks == 10
+    host = scheduler.host
+    with pytest.raises(ValueError, match="swap_space=.* GiB asks for 11,000 bytes"):
+        scheduler.set_swap_space(11_000, block_bytes=1000)
     assert scheduler.host is host
     for too_many in (11, 10**6, 10**12):  # 10**12 once hung making the pool's block ids
         with pytest.raises(ValueError, match="num_cpu_blocks"):
@@ -498,6 +522,22 @@ def test_a_host_pool_larger_than_the_host_is_refused_before_anything_is_taken(mo
     with pytest.raises(ValueError, match="num_cpu_blocks=40"):
         unpriced.host.swap_out_blocks(cache, [(0, 0)])
     assert unpriced.host.layers == [] and unpriced.host.num_bytes_swapped_out == 0
+
+
+def test_the_budget_is_capped_before_it_is_checked(monkeypatch):
+    """A budget larger than the host is accepted when the queues cap the pool below it: only
+    what the pool will take is checked (chapter 11's small runs under a 4 GiB default)."""
+    import minipaged.swap
+    from minipaged.memory import GiB
+
+    available = [64 * 1000]
+    monkeypatch.setattr(minipaged.swap, "free_memory_bytes", lambda device: available[0])
+    scheduler = SwapScheduler(KVCacheManager(BlockPool(7, 4)), max_num_seqs=4, max_model_len=64)
+    scheduler.set_swap_space(4 * GiB, block_bytes=1000)  # 4 GiB asked, 64 blocks fillable
+    assert scheduler.host.pool.num_blocks == 4 * 16
+    available[0] = 64 * 1000 - 1
+    with pytest.raises(ValueError, match="swap_space=4 GiB asks for 64,000 bytes"):
+        scheduler.set_swap_space(4 * GiB, block_bytes=1000)
 
 
 def test_the_real_host_refuses_a_pool_of_a_trillion_blocks():

@@ -134,3 +134,49 @@ def test_a_starved_pool_counts_the_steps_preemption_adds(t4_ledger, tmp_path):
     assert runs["starved"].steps == steps  # all 200 requests, not the walker's first 64
     assert runs["starved"].preemption_steps == steps - 1001
     assert runs["starved"].recomputed_tokens == computed - 200 * (9 + 1000 - 1) > 0
+
+
+# --- the host's side: a Colab VM, swap pools and pinned memory ---------------------------------
+
+
+def test_chapter_11_pins_only_its_staging_and_nothing_after_release(t4_ledger, chapter_ledgers):
+    """Chapter 11 at full size: the host pools are pageable and sized to the workloads; the
+    only pinned memory is the staging pair, at most two powers of two as large as one layer of
+    vLLM's default 4 GiB pool; every release() leaves nothing pinned; the VM holds it all."""
+    from minipaged.memory import QWEN2_5_0_5B, GiB
+    from minipaged.swap import pinned_bytes
+
+    notebook = next(n for n in CHAPTERS if n.stem == "11_swap")
+    result = ledger_of(t4_ledger, chapter_ledgers, notebook)
+    staging_bound = 2 * pinned_bytes(4 * GiB // QWEN2_5_0_5B.num_layers)
+    assert 0 < result.pinned_peak <= staging_bound
+    assert result.host_peak <= 4 * GiB + result.pinned_peak  # at most swap_space, plus staging
+    assert result.host_peak <= t4_ledger.COLAB_HOST_BYTES / 2  # half the VM left to the process
+    assert result.pinned_after_release and not any(result.pinned_after_release)
+    assert not result.host_over
+
+
+SWAP_ENGINE = ("LLM(model=model, max_model_len=4096, num_gpu_blocks_override=4832, "
+               "preemption_mode='swap', swap_space={gib})")
+WORK = ("prompts = [{'prompt_token_ids': [1] * 9} for _ in range(200)]\n"
+        "params = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)")
+
+
+def test_two_swap_engines_in_a_row_fit_the_vm_when_release_empties_the_pinned_cache(t4_ledger,
+                                                                                     tmp_path):
+    from minipaged.memory import QWEN2_5_0_5B, GiB
+    from minipaged.swap import pinned_bytes
+
+    engine = SWAP_ENGINE.format(gib=4)
+    pool = 4 * GiB // (16 * QWEN2_5_0_5B.kv_bytes_per_token) * 16 * QWEN2_5_0_5B.kv_bytes_per_token
+    staging = 2 * pinned_bytes(pool // QWEN2_5_0_5B.num_layers)
+    run = f"llm = {engine}\nllm.generate(prompts, params)\ndel llm"
+    released = t4_ledger.ledger(notebook(tmp_path, WORK, "from minipaged.sizing import "
+                                         "release_memory", run, "release_memory()", run,
+                                         "release_memory()"))
+    assert released.pinned_peak == staging and released.host_peak == pool + staging
+    assert released.pinned_after_release == [0, 0] and not released.host_over
+    kept = t4_ledger.ledger(notebook(tmp_path, WORK, run, run))  # torch's cache keeps the first
+    assert kept.pinned_peak == 2 * staging and kept.host_peak == pool + 2 * staging
+    too_large = t4_ledger.ledger(notebook(tmp_path, WORK, f"llm = {SWAP_ENGINE.format(gib=13)}"))
+    assert too_large.host_over  # a pool larger than the VM: the scheduler's check refuses it

@@ -25,6 +25,14 @@ the sum with chapter 1's ``T4_TOTAL_BYTES``. It also lists every engine on the d
 not given a size (``num_gpu_blocks_override``, ``kv_cache_memory_bytes`` or
 ``gpu_memory_utilization``), and every engine construction in a chapter that it never reached.
 
+Beside the GPU it keeps the host's side of a Colab T4, a VM of ``COLAB_HOST_BYTES``: a swapping
+engine's host pool (pageable, ``swap_space`` or ``num_cpu_blocks`` after the cap, as
+``SwapScheduler.blocks_for_swap_space`` sizes it) and its two pinned staging buffers, booked at
+their most (``swap_host_bytes``). Pinned memory outlives its engine in torch's cache until a
+``release_memory()`` (chapter 7's, which every chapter's ``release()`` calls) empties it, and the
+ledger keeps it so; each chapter's peaks, and what stayed pinned after each release, are in its
+``ChapterLedger``. The process itself (Python, torch, the CUDA libraries) is not counted.
+
 On the way it counts the model work each chapter asks for (``Work``: forward passes and prompt
 tokens), from which bench/t4_estimate.py estimates a chapter's time on a T4.
 
@@ -58,6 +66,7 @@ from cell_walker import (  # noqa: E402  (a tool beside this one, not a package)
 
 ROOT = Path(__file__).resolve().parent.parent
 ENGINE_CALLS = {"LLM", "LLMFrontEnd", "LLMEngine"}
+COLAB_HOST_BYTES = 12_700_000_000  # a Colab T4 runtime's VM: about 12.7 GB of memory
 
 
 @dataclass(eq=False)
@@ -72,6 +81,8 @@ class Allocation:
     options: dict = field(default_factory=dict)  # an engine's LLM or LLMFrontEnd options
     config: object = None  # a model's ModelConfig
     dtype_bytes: int = 2
+    host_bytes: int = 0  # pageable host memory (a swapping engine's host pool)
+    pinned_bytes: int = 0  # pinned host memory at most (its staging buffers)
 
 
 @dataclass
@@ -156,6 +167,10 @@ class ChapterLedger:
     errors: list[str] = field(default_factory=list)
     unknown: list[str] = field(default_factory=list)  # device allocations of unknown size
     work: Work = field(default_factory=lambda: Work())
+    host_peak: int = 0  # host pools and pinned memory alive (or cached) at once, at most
+    pinned_peak: int = 0  # of which pinned
+    pinned_after_release: list[int] = field(default_factory=list)  # after each release_memory()
+    host_over: list[str] = field(default_factory=list)  # more than the VM holds
 
 
 @dataclass
@@ -202,6 +217,29 @@ def scheduled_work(requests: list[tuple[int, int]], num_blocks: int, block_size:
     return steps, computed, scheduler.num_preemptions
 
 
+def swap_host_bytes(num_cpu_blocks: int, block_bytes: int, num_layers: int) -> tuple[int, int]:
+    """A swapping engine's host memory at most: (its pool, pageable, of num_cpu_blocks blocks;
+    its two staging buffers, pinned at the allocator's power of two, each as large as one layer
+    of the whole pool, for a step that moves every block). While the pair grows, the pair
+    before it (half as large at most) may wait in torch's cache until its copies are over."""
+    from minipaged.swap import pinned_bytes
+
+    return num_cpu_blocks * block_bytes, 2 * pinned_bytes(num_cpu_blocks * block_bytes
+                                                          // num_layers)
+
+
+def swap_pool_blocks(options: dict, block_bytes: int, block_size: int, longest: int,
+                     max_num_seqs: int) -> int:
+    """The host pool SwapScheduler.blocks_for_swap_space gives: swap_space (GiB, default 4) in
+    whole blocks, capped at what max_num_seqs sequences of longest can fill."""
+    from minipaged.checks import cdiv
+    from minipaged.memory import GiB
+
+    swap_space = options.get("swap_space", 4)
+    swap_space = swap_space if isinstance(swap_space, (int, float)) else 4
+    return min(int(swap_space * GiB) // block_bytes, max_num_seqs * cdiv(longest, block_size))
+
+
 def preemption_mode(options: dict) -> str:
     """How an engine built with these options preempts: the package LLM's preemption_mode, or
     chapter 11's SwapScheduler handed to chapter 7's LLMFrontEnd as scheduler_cls."""
@@ -213,7 +251,8 @@ def activation_bytes(config, num_tokens: int, num_rows: int, dtype_bytes: int) -
     """An upper bound on one step's transient memory: for each of num_tokens tokens, the
     residual, normed and attention-output rows (4 x hidden), q, k, v, the MLP's gate, up and
     activated rows (3 x intermediate) in the model's dtype, held together in one layer; and the
-    logits of num_rows sampled rows over the vocabulary in fp32, twice (logits, probabilities)."""
+    logits of num_rows sampled rows over the vocabulary in fp32, twice (the logits and the
+    engine's copy of the sampled rows, which chapter 7's profile of a full step holds too)."""
     q_kv = (config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim
     per_token = 4 * config.hidden_size + q_kv + 3 * config.intermediate_size
     return num_tokens * per_token * dtype_bytes + 2 * num_rows * config.vocab_size * 4
@@ -302,6 +341,7 @@ class Ledger(Walker):
         self.errors = self.result.errors
         self.reached: set[int] = set()  # the engine constructions evaluated
         self.sites: dict[int, str] = {}  # every engine construction outside a lambda
+        self.pinned_held: list[Allocation] = []  # engines whose pinned blocks torch still holds
 
     # ---- the world the chapters see at full size ----
 
@@ -367,6 +407,40 @@ class Ledger(Walker):
         return (self.context_bytes + sum(a.nbytes for a in alive),
                 max([a.activation for a in alive], default=0))
 
+    def host_held(self) -> tuple[int, int]:
+        """(host bytes held: live engines' pools and every pinned block, live or cached; of
+        which pinned)."""
+        pinned = sum(a.pinned_bytes for a in self.pinned_held)
+        return sum(a.host_bytes for a in self.live()) + pinned, pinned
+
+    def note_host(self, what: str, peak: bool = True) -> None:
+        """Record the host's side: its peaks when a swapping engine generates (its pool and
+        staging are taken at the first swap-out), and a VM overflowed whenever one is sized
+        (the scheduler's check against the host's available memory)."""
+        held, pinned = self.host_held()
+        result = self.result
+        if peak:
+            result.host_peak = max(result.host_peak, held)
+            result.pinned_peak = max(result.pinned_peak, pinned)
+        if held > COLAB_HOST_BYTES:
+            result.host_over.append(f"cell {self.cell} line {self.line}: {what}: {held:,} bytes "
+                                    f"of host memory held, {pinned:,} of them pinned")
+
+    def release_memory(self, ledger, args, kwargs, node) -> None:
+        """Chapter 7's release_memory: torch's cache lets go of the dead engines' pinned blocks."""
+        live = self.live()
+        self.pinned_held = [a for a in self.pinned_held if any(a is b for b in live)]
+        self.result.pinned_after_release.append(self.host_held()[1])
+
+    def set_num_cpu_blocks(self, engine: Allocation, args, kwargs) -> None:
+        """SwapScheduler.set_num_cpu_blocks on a swapping engine: its host pool resized."""
+        count = args[0] if args else kwargs.get("num_cpu_blocks")
+        if isinstance(count, int) and count > 0:
+            options = engine.options
+            engine.host_bytes, engine.pinned_bytes = swap_host_bytes(
+                count, options["block_bytes"], options["num_layers"])
+            self.note_host(f"{engine.what}: {count:,} host blocks", peak=False)
+
     def allocate(self, allocation: Allocation) -> Allocation:
         """Book a new allocation: record what is alive with it, then keep it as a temporary."""
         if allocation.on_device:
@@ -383,6 +457,10 @@ class Ledger(Walker):
             if event.total > self.total_bytes:
                 self.result.over.append(event)
         self.temps[-1].append(allocation)
+        if allocation.pinned_bytes:
+            self.pinned_held.append(allocation)
+        if allocation.host_bytes or allocation.pinned_bytes:
+            self.note_host(allocation.what, peak=False)
         return allocation
 
     def on_device(self, device) -> bool:
@@ -504,14 +582,22 @@ class Ledger(Walker):
         except ValueError as error:
             self.result.refused.append(f"line {self.line}: {what}: {error}")
             return UNKNOWN
+        host = pinned = 0
+        if preemption_mode(options) == "swap":  # its host pool, sized as the scheduler does
+            host, pinned = swap_host_bytes(
+                swap_pool_blocks(options, block_bytes, block_size, longest, max_num_seqs),
+                block_bytes, config.num_hidden_layers)
         return self.allocate(Allocation(f"{what}: {num_blocks:,} blocks",
                                         num_blocks * block_bytes, True, model=model,
-                                        activation=activation,
+                                        activation=activation, host_bytes=host,
+                                        pinned_bytes=pinned,
                                         options=dict(max_num_seqs=max_num_seqs,
                                                      max_num_batched_tokens=tokens,
                                                      num_blocks=num_blocks, block_size=block_size,
                                                      max_model_len=longest,
-                                                     preemption_mode=preemption_mode(options))))
+                                                     preemption_mode=preemption_mode(options),
+                                                     block_bytes=block_bytes,
+                                                     num_layers=config.num_hidden_layers)))
 
     # ---- work ----
 
@@ -553,6 +639,8 @@ class Ledger(Walker):
             work.preemption_steps += max(0, simulated - steps)
             work.recomputed_tokens += max(0, computed - sum(p + a - 1 for p, a in requests))
             steps = simulated
+        if engine.host_bytes or engine.pinned_bytes:  # the swaps take the host pool
+            self.note_host(f"{engine.what} generates")
         work.steps += steps
         work.prompt_tokens += sum(lengths)
         work.generated_tokens += sum(answers)
@@ -609,6 +697,12 @@ class Ledger(Walker):
                         self.frames[0][name] = importable(f"minipaged.{module}", name)
             elif isinstance(node, (ast.Import, ast.ImportFrom)):
                 self.statement(node)
+            elif isinstance(node, ast.ClassDef) and node.name not in modelled:
+                # the class itself, for what names it (isinstance, scheduler_cls=...); calls to
+                # it stay unknown
+                value = getattr(importlib.import_module(f"minipaged.{module}"), node.name,
+                                UNKNOWN)
+                self.frames[0][node.name] = value if isinstance(value, type) else UNKNOWN
             elif isinstance(node, ast.FunctionDef) and not node.decorator_list \
                     and node.name not in modelled:
                 self.statement(node)
@@ -632,6 +726,11 @@ class Ledger(Walker):
     def import_value(self, node, alias):
         if alias.name == "numpy":
             return self.numpy
+        if isinstance(node, ast.ImportFrom) and node.module == "minipaged.sizing":
+            if alias.name == "release_memory":
+                return Native(self.release_memory)
+            if alias.name == "pinned_host_bytes":
+                return Native(lambda *_: self.host_held()[1])
         if isinstance(node, ast.ImportFrom):
             return importable(node.module or "", alias.name)
         return UNKNOWN
@@ -681,6 +780,8 @@ class Ledger(Walker):
             return Native(lambda led, a, k, n, v=value, m=name: self.model_to(v, m, a, k))
         if value.on_device and value.model is not None and name in ("generate", "stream"):
             return Native(lambda led, a, k, n, v=value: self.generate(v, a, k))
+        if name == "set_num_cpu_blocks" and value.options.get("preemption_mode") == "swap":
+            return Native(lambda led, a, k, n, v=value: self.set_num_cpu_blocks(v, a, k))
         if value.on_device and value.model is not None and name == "step":
             return Native(lambda led, a, k, n, v=value: self.forward(v.model, 1))
         if value.on_device and value.config is not None and name == "generate":
@@ -750,17 +851,23 @@ def ledger(notebook: Path) -> ChapterLedger:
 def main() -> int:
     from minipaged.memory import T4_TOTAL_BYTES, GiB
 
-    print(f"| chapter | peak on a T4 of {T4_TOTAL_BYTES / GiB:.2f} GiB | at | problems |")
-    print("| --- | --- | --- | --- |")
+    print(f"| chapter | peak on a T4 of {T4_TOTAL_BYTES / GiB:.2f} GiB | at | host pools and "
+          f"pinned, peak (VM {COLAB_HOST_BYTES / 1e9:.1f} GB) | pinned, peak | pinned after "
+          f"release() | problems |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     failed = False
     for notebook in sorted((ROOT / "chapters").glob("[0-9][0-9]_*.ipynb")):
         result = ledger(notebook)
-        problems = result.over + result.refused + result.unsized + result.unreached
+        problems = (result.over + result.refused + result.unsized + result.unreached
+                    + result.host_over)
         failed |= bool(problems)
         peak = result.peak
         where = f"cell {peak.cell} line {peak.line}: {peak.what}" if peak else "-"
         total = f"{peak.total / GiB:.2f} GiB" if peak else "0"
-        print(f"| {result.chapter} | {total} | {where} | {len(problems) or ''} |")
+        after = max(result.pinned_after_release, default=0)
+        print(f"| {result.chapter} | {total} | {where} | {result.host_peak / GiB:.2f} GiB | "
+              f"{result.pinned_peak / 2**20:,.0f} MiB | {after / 2**20:,.0f} MiB | "
+              f"{len(problems) or ''} |")
         for problem in problems:
             print(f"    {problem}")
     return int(failed)

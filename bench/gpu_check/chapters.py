@@ -35,8 +35,8 @@ CHAT_TEMPLATE = ("{% for message in messages %}{{ '<|im_start|>' + message['role
                  "{{ '<|im_start|>assistant\\n' }}{% endif %}")
 MAGIC = re.compile(r"^(\s*)[%!]")
 CELL_FIELDS = ["chapter", "cell", "status", "seconds", "peak_allocated_bytes",
-               "peak_reserved_bytes", "allocated_after_bytes", "memory_cap_bytes", "first_line",
-               "error"]
+               "peak_reserved_bytes", "allocated_after_bytes", "pinned_host_bytes",
+               "memory_cap_bytes", "first_line", "error"]
 GLUE_FIELDS = ["chapter", "cell", "name", "value"]
 
 
@@ -118,15 +118,21 @@ def cap_memory(cap_bytes: int, cuda=None) -> dict:
 
 
 def _memory(reset: bool = False) -> dict:
-    """Peak and current CUDA memory since the last reset (zeros without CUDA)."""
+    """Peak and current CUDA memory since the last reset, and the pinned host memory torch holds
+    now (zeros without CUDA; pinned "" where this torch does not report it)."""
     import torch
 
     if not torch.cuda.is_available():
-        return {"peak_allocated_bytes": 0, "peak_reserved_bytes": 0, "allocated_after_bytes": 0}
+        return {"peak_allocated_bytes": 0, "peak_reserved_bytes": 0, "allocated_after_bytes": 0,
+                "pinned_host_bytes": 0}
+    from minipaged.sizing import pinned_host_bytes
+
     torch.cuda.synchronize()
+    pinned = pinned_host_bytes()
     numbers = {"peak_allocated_bytes": torch.cuda.max_memory_allocated(),
                "peak_reserved_bytes": torch.cuda.max_memory_reserved(),
-               "allocated_after_bytes": torch.cuda.memory_allocated()}
+               "allocated_after_bytes": torch.cuda.memory_allocated(),
+               "pinned_host_bytes": "" if pinned is None else pinned}
     if reset:
         torch.cuda.reset_peak_memory_stats()
     return numbers
