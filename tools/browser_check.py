@@ -19,9 +19,9 @@ other host blocked, so the book is read as it would be offline. A page fails on:
   its slider, its Next button, or the arrow keys on a focused control ask for.
 
 Screenshots of each chapter (its top, its "What we measured" section, and each step player at
-the step it opens on) go to the screenshot folder, for CI to keep as artifacts. The browser is Debian's `chromium`, driven by playwright
-(the Python package only: no browser is downloaded). When `chromium` is missing the script
-installs it with apt-get, as CI runs as root.
+the step it opens on) go to the screenshot folder, for CI to keep as artifacts. The browser is
+Debian's `chromium`, driven by playwright (the Python package only: no browser is downloaded).
+When `chromium` is missing the script installs it with apt-get, as CI runs as root.
 """
 from __future__ import annotations
 
