@@ -42,39 +42,43 @@ def engine_state(engine: LLMEngine) -> dict:
                         "waiting": tuple(r.request_id for r in scheduler.waiting)})
 
 
-def test_each_recorded_step_is_the_engines_state(model):
+@pytest.fixture(scope="module")
+def recorded(model):
+    """A starved run driven by a recorder, with the engine's own state read after each step,
+    and the tokens each request got."""
     engine = starved_engine(model)
     recorder = EngineRecorder(engine)
     recorder.record("before")
+    states, tokens = [engine_state(engine)], {}
     while engine.has_unfinished_requests():
-        recorder.step()
-        state, now = recorder.trace[-1], engine_state(engine)
+        for request in recorder.step():
+            tokens.setdefault(request.request_id, []).append(request.output_token_ids[-1])
+        states.append(engine_state(engine))
+    return engine, recorder.trace, states, tokens
+
+
+def test_each_recorded_step_is_the_engines_state(recorded):
+    engine, trace, states, _ = recorded
+    assert len(trace) == len(states) == engine.num_steps + 1
+    for state, now in zip(trace, states):
         assert {k: getattr(state, k) for k in now} == now
         held = [sum(b in blocks for blocks in state.tables.values())
                 for b in range(engine.pool.num_blocks)]
         assert list(state.ref_cnts) == held  # no prefix cache: a count is its tables
         assert sorted(state.free_queue) == [b for b, n in enumerate(held) if n == 0]
-    assert len(recorder.trace) == engine.num_steps + 1
 
 
-def test_a_recorder_changes_nothing_in_the_run(model):
-    plain, watched = starved_engine(model), starved_engine(model)
-    tokens = {}
+def test_a_recorder_changes_nothing_in_the_run(model, recorded):
+    watched, _, _, recorded_tokens = recorded
+    plain, tokens = starved_engine(model), {}
     while plain.has_unfinished_requests():
         for request in plain.step():
             tokens.setdefault(request.request_id, []).append(request.output_token_ids[-1])
-    recorded = {}
-    recorder = EngineRecorder(watched)
-    while watched.has_unfinished_requests():
-        for request in recorder.step():
-            recorded.setdefault(request.request_id, []).append(request.output_token_ids[-1])
-    assert recorded == tokens and watched.stats() == plain.stats()
+    assert recorded_tokens == tokens and watched.stats() == plain.stats()
 
 
-def test_the_trace_says_when_a_request_is_preempted(model):
-    engine = starved_engine(model)
-    recorder = EngineRecorder(engine)
-    trace = recorder.run()
+def test_the_trace_says_when_a_request_is_preempted(recorded):
+    engine, trace, _, _ = recorded
     assert engine.stats()["num_preemptions"] > 0
     said = [(s.step, e.split(" is preempted")[0]) for s in trace for e in s.events
             if " is preempted" in e]
