@@ -74,6 +74,7 @@ PLANTED["player"] = (CLEAN["player"].split("<script>")[0], "controls are not sho
 PLANTED["player_stuck"] = (CLEAN["player"].replace("show(current + d)", "show(current)")
                            .replace("show(Number(slider.value))", "show(current)"),
                            "Next/Previous showed step")
+PLANTED["player_heavy"] = (CLEAN["player"] + "<!--" + "x" * (2 * 2**20) + "-->", "MiB")
 PAGES = ["clean"] + sorted(PLANTED)
 
 
@@ -109,8 +110,8 @@ def problems(tmp_path_factory) -> dict[str, list[str]]:
         if name == "clean":
             html = chapter(number)
         else:
-            part = {"text_table": "table", "directive": "code", "player_stuck": "player"}.get(
-                name, name)
+            part = {"text_table": "table", "directive": "code", "player_stuck": "player",
+                    "player_heavy": "player"}.get(name, name)
             html = chapter(number, **{part: PLANTED[name][0]})
         (root / "chapters" / f"{number:02d}_demo.html").write_text(html)
     shots = root.parent / "shots"

@@ -16,7 +16,8 @@ other host blocked, so the book is read as it would be offline. A page fails on:
 - a code cell that shows its `#| export` line (book/_static/minipaged.js hides them);
 - a broken internal link (to a page or file that is not in the build, or to a missing anchor);
 - a step player (minipaged.player) whose controls do not show, or that does not move to the step
-  its slider, its Next button, or the arrow keys on a focused control ask for.
+  its slider, its Next button, or the arrow keys on a focused control ask for; a page with a
+  player whose HTML weighs over 2 MiB.
 
 Screenshots of each chapter (its top, its "What we measured" section, and each step player at
 the step it opens on) go to the screenshot folder, for CI to keep as artifacts. The browser is
@@ -44,6 +45,8 @@ WIDTH, HEIGHT = 1280, 900
 # Columns of code a chapter code cell shows without scrolling at 1280 px
 # (book/_static/minipaged.css sets the code font so that ruff's 100 columns fit).
 CODE_COLUMNS = 100
+# A page that carries step players (every step's picture is in its HTML) stays under this.
+PLAYER_PAGE_MIB, MiB = 2, 2**20
 CHAPTER_PAGE = re.compile(r"^chapters/\d\d_[a-z0-9_]+\.html$")
 # Text that only appears when TeX was not turned into math.
 RAW_TEX = re.compile(r"\\\(|\\\)|\\\[|\\\]|\$\$|\\(?:frac|text|times|mathrm|left|right|lfloor|"
@@ -126,6 +129,7 @@ class PageReport:
     ids: set[str] = field(default_factory=set)
     links: list[str] = field(default_factory=list)
     stats: dict = field(default_factory=dict)
+    players: int = 0  # step players on the page
 
 
 def find_chromium(install: bool = True) -> str:
@@ -281,6 +285,7 @@ def check_page(page, base: str, path: str, screenshots: Path | None,
             report.problems += [f"'What we measured' wider than the column: {w}"
                                 for w in measured["wide"]]
     report.problems += check_players(page, screenshots if chapter else None, Path(path).stem)
+    report.players = len(page.query_selector_all(".mp-player"))
     page.wait_for_timeout(100)
     report.problems += messages[num_messages:]  # console errors the players caused
     report.ids = set(result["ids"])
@@ -368,6 +373,9 @@ def run(root: Path, screenshots: Path | None, install: bool = True,
     finally:
         server.shutdown()
     problems = [f"{path}: {p}" for path, r in reports.items() for p in r.problems]
+    problems += [f"{path}: a page with a step player weighs {size / MiB:.1f} MiB, over "
+                 f"{PLAYER_PAGE_MIB} MiB" for path, r in reports.items() if r.players
+                 for size in [(root / path).stat().st_size] if size > PLAYER_PAGE_MIB * MiB]
     problems += check_links(root, base, reports)
     if chapters is not None and chapters.is_dir():
         problems += long_code_lines(chapters)
