@@ -14,7 +14,7 @@ from minipaged.blocks import BlockPool, BlockTable
 from minipaged.engine import LLMEngine
 from minipaged.engine_player import EngineRecorder
 from minipaged.model import ModelConfig, random_model
-from minipaged.player import StepRecorder, show_steps
+from minipaged.player import CELL, PALETTE, StepRecorder, draw_state, request_colours, show_steps
 from minipaged.sampling import SamplingParams
 
 
@@ -87,6 +87,21 @@ def test_the_trace_says_when_a_request_is_preempted(recorded):
         before, after = trace[step - 1], trace[step]
         assert victim in before.tables and victim not in after.tables
         assert after.queues["waiting"][0] == victim  # it waits at the front
+
+
+def test_each_picture_draws_the_engines_state(recorded):
+    """The pool grid of every step's picture: each block in the colour of the request whose
+    table (read from the engine at that step) holds it, or free; shared ones outlined."""
+    engine, trace, states, _ = recorded
+    colours = request_colours(trace)
+    for state, now in zip(trace, states):
+        cells = re.findall(rf'<rect [^>]*width="{CELL}" [^>]*fill="([^"]+)" stroke="([^"]+)"',
+                           draw_state(state, colours))
+        assert len(cells) == engine.pool.num_blocks
+        for block_id, (fill, stroke) in enumerate(cells):
+            holders = [rid for rid, blocks in now["tables"].items() if block_id in blocks]
+            assert fill == (PALETTE[colours[holders[0]]] if holders else "#f2f2f2")
+            assert (stroke == "#000") == (len(holders) > 1)
 
 
 def test_tables_growing_and_given_back_are_said():
