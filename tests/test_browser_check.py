@@ -18,6 +18,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import browser_check  # noqa: E402
 
+from minipaged.blocks import BlockPool, BlockTable  # noqa: E402
+from minipaged.player import StepRecorder, show_steps  # noqa: E402
+
 pytestmark = pytest.mark.heavy  # starts a browser
 
 PNG = bytes.fromhex(  # a 1x1 PNG
@@ -50,6 +53,28 @@ PLANTED = {
     "alt": ('<img src="../_images/plot.png" alt="0f3a9c2b7d1e4a5b6c7d8e9f">', "without alt text"),
     "directive": ('<div class="cell_input"><pre>#| export\nx = 1</pre></div>', "#| lines"),
 }
+
+
+def player_page() -> str:
+    """A step player as a chapter writes it: three tables taking blocks, one giving them back."""
+    pool, tables = BlockPool(num_blocks=6, block_size=4), {}
+    recorder = StepRecorder(pool, tables)
+    recorder.record("an empty pool")
+    for name in "ABC":
+        tables[name] = BlockTable(pool)
+        tables[name].ensure_capacity(5)
+        recorder.record()
+    tables.pop("A").free()
+    recorder.record()
+    return show_steps(recorder.trace, start=2, caption="a player", alt="a pool")._repr_html_()
+
+
+CLEAN["player"] = player_page()
+PLANTED["player"] = (CLEAN["player"].split("<script>")[0], "controls are not shown")
+PLANTED["player_stuck"] = (CLEAN["player"].replace("show(current + d)", "show(current)")
+                           .replace("show(Number(slider.value))", "show(current)"),
+                           "Next/Previous showed step")
+PLANTED["player_heavy"] = (CLEAN["player"] + "<!--" + "x" * (2 * 2**20) + "-->", "MiB")
 PAGES = ["clean"] + sorted(PLANTED)
 
 
@@ -62,7 +87,7 @@ def chapter(number: int, **parts) -> str:
     return f"""<html><head>
 <style>article {{ width: 600px; }}</style>{body['script']}</head><body><article>
 <section id="demo"><h1>{number}. Demo</h1>{colab}{body['image']}{body['math']}{body['link']}
-{body['code']}{body['alt']}
+{body['code']}{body['alt']}{body['player']}
 <section id="what-we-measured"><h2>What we measured</h2>{body['table']}</section>
 </section></article></body></html>"""
 
@@ -85,7 +110,8 @@ def problems(tmp_path_factory) -> dict[str, list[str]]:
         if name == "clean":
             html = chapter(number)
         else:
-            part = {"text_table": "table", "directive": "code"}.get(name, name)
+            part = {"text_table": "table", "directive": "code", "player_stuck": "player",
+                    "player_heavy": "player"}.get(name, name)
             html = chapter(number, **{part: PLANTED[name][0]})
         (root / "chapters" / f"{number:02d}_demo.html").write_text(html)
     shots = root.parent / "shots"
@@ -93,6 +119,7 @@ def problems(tmp_path_factory) -> dict[str, list[str]]:
     report = json.loads((shots / "report.json").read_text())["problems"]
     assert count == len(report)
     assert (shots / "01_demo.png").stat().st_size > 0  # a screenshot was saved
+    assert (shots / "01_demo_player1.png").stat().st_size > 0  # and one of its player
     return {name: [p for p in report if p.startswith(f"chapters/{number:02d}_demo.html")]
             for number, name in enumerate(PAGES, 1)}
 

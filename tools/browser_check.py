@@ -14,12 +14,15 @@ other host blocked, so the book is read as it would be offline. A page fails on:
 - a code cell wider than the page at 1280 px, or a chapter code line over 100 columns;
 - an image without real alt text (none, or an image hash);
 - a code cell that shows its `#| export` line (book/_static/minipaged.js hides them);
-- a broken internal link (to a page or file that is not in the build, or to a missing anchor).
+- a broken internal link (to a page or file that is not in the build, or to a missing anchor);
+- a step player (minipaged.player) whose controls do not show, or that does not move to the step
+  its slider, its Next button, or the arrow keys on a focused control ask for; a page with a
+  player whose HTML weighs over 2 MiB.
 
-Screenshots of each chapter (its top, and its "What we measured" section) go to the screenshot
-folder, for CI to keep as artifacts. The browser is Debian's `chromium`, driven by playwright
-(the Python package only: no browser is downloaded). When `chromium` is missing the script
-installs it with apt-get, as CI runs as root.
+Screenshots of each chapter (its top, its "What we measured" section, and each step player at
+the step it opens on) go to the screenshot folder, for CI to keep as artifacts. The browser is
+Debian's `chromium`, driven by playwright (the Python package only: no browser is downloaded).
+When `chromium` is missing the script installs it with apt-get, as CI runs as root.
 """
 from __future__ import annotations
 
@@ -42,6 +45,8 @@ WIDTH, HEIGHT = 1280, 900
 # Columns of code a chapter code cell shows without scrolling at 1280 px
 # (book/_static/minipaged.css sets the code font so that ruff's 100 columns fit).
 CODE_COLUMNS = 100
+# A page that carries step players (every step's picture is in its HTML) stays under this.
+PLAYER_PAGE_MIB, MiB = 2, 2**20
 CHAPTER_PAGE = re.compile(r"^chapters/\d\d_[a-z0-9_]+\.html$")
 # Text that only appears when TeX was not turned into math.
 RAW_TEX = re.compile(r"\\\(|\\\)|\\\[|\\\]|\$\$|\\(?:frac|text|times|mathrm|left|right|lfloor|"
@@ -124,6 +129,7 @@ class PageReport:
     ids: set[str] = field(default_factory=set)
     links: list[str] = field(default_factory=list)
     stats: dict = field(default_factory=dict)
+    players: int = 0  # step players on the page
 
 
 def find_chromium(install: bool = True) -> str:
@@ -179,6 +185,63 @@ def last_pages(paths: list[str]) -> set[str]:
     return set({posixpath.basename(path)[:2]: path for path in chapters}.values())
 
 
+# The step a player shows, its step count, and whether its controls are on the page.
+PLAYER_STATE = r"""
+root => ({
+  shown: Array.from(root.querySelectorAll(".mp-frame")).findIndex(f => !f.hidden),
+  frames: root.querySelectorAll(".mp-frame").length,
+  controls: !root.querySelector(".mp-controls").hidden,
+  says: (root.querySelector(".mp-frame:not([hidden])") || {}).textContent || "",
+})
+"""
+
+
+def check_players(page, screenshots: Path | None, stem: str) -> list[str]:
+    """Drive every step player on the page as a reader would: the slider, the Next button,
+    and the keyboard alone (arrow keys on a focused control, Enter on a button). Each must
+    show the step asked for, and another picture; a screenshot of each at its opening step."""
+    problems = []
+    for number, root in enumerate(page.query_selector_all(".mp-player"), 1):
+        name = f"player {number}"
+        root.scroll_into_view_if_needed()
+        first = root.evaluate(PLAYER_STATE)
+        if first["frames"] < 2 or first["shown"] < 0:
+            problems.append(f"{name}: {first['frames']} step(s), {first['shown']} shown")
+            continue
+        if not first["controls"]:
+            problems.append(f"{name}: its controls are not shown (did its script run?)")
+            continue
+        if screenshots is not None:
+            root.screenshot(path=str(screenshots / f"{stem}_player{number}.png"))
+        last, seen = first["frames"] - 1, [first]
+        target = 0 if first["shown"] else last
+        root.eval_on_selector(".mp-slider", "(s, v) => { s.value = v; "
+                              "s.dispatchEvent(new Event('input', {bubbles: true})); }", target)
+        expected = [target]
+        seen.append(root.evaluate(PLAYER_STATE))
+        start = seen[-1]["shown"]
+        root.query_selector(".mp-next" if start < last else ".mp-prev").click()
+        expected.append(start + 1 if start < last else start - 1)
+        seen.append(root.evaluate(PLAYER_STATE))
+        root.query_selector(".mp-next").focus()  # the keyboard alone from here on
+        key, step = ("ArrowLeft", -1) if seen[-1]["shown"] > 0 else ("ArrowRight", 1)
+        page.keyboard.press(key)
+        expected.append(seen[-1]["shown"] + step)
+        seen.append(root.evaluate(PLAYER_STATE))
+        button, step = (".mp-next", 1) if seen[-1]["shown"] < last else (".mp-prev", -1)
+        root.query_selector(button).focus()
+        page.keyboard.press("Enter")
+        expected.append(seen[-1]["shown"] + step)
+        seen.append(root.evaluate(PLAYER_STATE))
+        for move, want, before, after in zip(("slider", "Next/Previous", key, "Enter"),
+                                             expected, seen, seen[1:]):
+            if after["shown"] != want or after["says"] == before["says"]:
+                problems.append(f"{name}: {move} showed step {after['shown']}, not step {want}"
+                                if after["shown"] != want else
+                                f"{name}: {move} left the picture as it was")
+    return problems
+
+
 def check_page(page, base: str, path: str, screenshots: Path | None,
                last_page: bool = True) -> PageReport:
     """Load one page and return what it showed."""
@@ -196,7 +259,8 @@ def check_page(page, base: str, path: str, screenshots: Path | None,
     page.goto(base + path, wait_until="load")
     result = page.evaluate(PAGE_PROBE)
     page.wait_for_timeout(200)  # late console messages
-    report.problems += messages
+    num_messages = len(messages)
+    report.problems += messages[:num_messages]
     report.problems += [f"broken image: {src}" for src in result["brokenImages"]]
     report.problems += [f"image without alt text: {src}" for src in result["imagesWithoutAlt"]]
     report.problems += [f"math not typeset: {text}" for text in result["untypeset"]]
@@ -220,6 +284,10 @@ def check_page(page, base: str, path: str, screenshots: Path | None,
                 report.problems.append("'What we measured' has no real table")
             report.problems += [f"'What we measured' wider than the column: {w}"
                                 for w in measured["wide"]]
+    report.problems += check_players(page, screenshots if chapter else None, Path(path).stem)
+    report.players = len(page.query_selector_all(".mp-player"))
+    page.wait_for_timeout(100)
+    report.problems += messages[num_messages:]  # console errors the players caused
     report.ids = set(result["ids"])
     report.links = result["links"]
     report.stats = {key: result[key] for key in ("codeCells", "wideCode", "outputs", "wideOutputs")}
@@ -305,6 +373,9 @@ def run(root: Path, screenshots: Path | None, install: bool = True,
     finally:
         server.shutdown()
     problems = [f"{path}: {p}" for path, r in reports.items() for p in r.problems]
+    problems += [f"{path}: a page with a step player weighs {size / MiB:.1f} MiB, over "
+                 f"{PLAYER_PAGE_MIB} MiB" for path, r in reports.items() if r.players
+                 for size in [(root / path).stat().st_size] if size > PLAYER_PAGE_MIB * MiB]
     problems += check_links(root, base, reports)
     if chapters is not None and chapters.is_dir():
         problems += long_code_lines(chapters)
