@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 import vllm_differential as diff  # noqa: E402
 
-from minipaged.prefix_cache import PrefixCachingBlockPool, PrefixCacheStats  # noqa: E402
+from minipaged.prefix_cache import PrefixCacheStats, PrefixCachingBlockPool  # noqa: E402
 from minipaged.scheduler import NoNewBlocks  # noqa: E402
 
 VERSION = os.environ.get("VLLM_VERSION")
