@@ -392,10 +392,10 @@ class Run:
 
 
 def _cached_ids(pool: Any) -> list[int]:
-    ids = []
-    for value in pool.cached_block_hash_to_block._cache.values():
-        ids += [value.block_id] if hasattr(value, "block_id") else list(value)
-    return ids
+    """The blocks vLLM's map finds under their hash (BlockHashToBlockMap.contain)."""
+    cached = pool.cached_block_hash_to_block
+    return [b.block_id for b in pool.blocks
+            if b.block_hash is not None and cached.contain(b.block_hash, b.block_id)]
 
 
 def _shape(value: Any) -> Any:

@@ -35,6 +35,9 @@ REAL = {
     "vllm.v1.core.kv_cache_manager", "vllm.v1.core.kv_cache_metrics", "vllm.v1.request",
     "vllm.v1.kv_cache_interface", "vllm.v1.kv_cache_spec_registry", "vllm.v1.kv_cache_layout",
     "vllm.v1.metrics.stats", "vllm.utils.math_utils",
+    # newer releases (0.34.0) split these out of the files above
+    "vllm.v1.token_buffer", "vllm.utils.collection_utils", "vllm.utils.gc_utils",
+    "vllm.v1.metrics.cache_hit_source", "vllm.v1.hisparse.block_pool",
 }
 
 
@@ -110,7 +113,8 @@ STUBS: dict[str, tuple[str, dict[str, Any]]] = {
                                    "test runs with events off (enable_kv_cache_events=False)",
                                    {name: _placeholder(name) for name in (
                                        "AllBlocksCleared", "BlockRemoved", "BlockStored",
-                                       "KVCacheEvent")} | {"MEDIUM_GPU": "GPU"}),
+                                       "KVCacheEvent")} | {"MEDIUM_GPU": "GPU",
+                                                           "MEDIUM_CPU": "CPU"}),
     "vllm.v1.attention.backends.registry": ("the attention backends' registry imports the "
                                             "platform layer; kv_cache_interface names one enum "
                                             "of it for Mamba specs",
@@ -123,6 +127,11 @@ STUBS: dict[str, tuple[str, dict[str, Any]]] = {
     "vllm.multimodal.inputs": ("multimodal inputs (transformers, PIL); requests here carry "
                                "none", {"MultiModalFeatureSpec": _placeholder(
                                    "MultiModalFeatureSpec")}),
+    "vllm.multimodal.utils": ("multimodal helpers (PIL, transformers); with no multimodal "
+                              "features the window search is never called",
+                              {"get_mm_features_in_window": lambda features, start, end: (0, 0)}),
+    "vllm.v1.kv_hints": ("KV-transfer hints (0.34.0) for disaggregated serving; requests "
+                         "here carry none", {"KvHintsEnvelope": _placeholder("KvHintsEnvelope")}),
     "vllm.pooling_params": ("pooling models; requests here sample",
                             {"PoolingParams": _placeholder("PoolingParams")}),
     "vllm.sampling_params": ("imports the tokenizer stack and msgspec; Request reads only the "
