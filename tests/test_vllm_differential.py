@@ -8,6 +8,7 @@ differences allowed are the rows of book/vllm_differences.csv, which the book sh
 from __future__ import annotations
 
 import os
+import random
 import sys
 from pathlib import Path
 
@@ -17,7 +18,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 import vllm_differential as diff  # noqa: E402
 
-from minipaged.prefix_cache import PrefixCacheStats, PrefixCachingBlockPool  # noqa: E402
+from minipaged.blocks import KVCacheBlock  # noqa: E402
+from minipaged.prefix_cache import (  # noqa: E402
+    EvictionOrderQueue,
+    PrefixCacheStats,
+    PrefixCachingBlockPool,
+)
 from minipaged.scheduler import NoNewBlocks  # noqa: E402
 
 VERSION = os.environ.get("VLLM_VERSION")
@@ -110,3 +116,70 @@ def test_counting_a_preempted_request_as_new_is_caught(vllm, monkeypatch):
                         lambda self, tokens, hits, preempted: record(self, tokens, hits, False))
     found = first_failure(vllm, True, set(diff.read_table()))
     assert "prefix-cache counters" in found and "resume(" in found, found
+
+
+def queue_ops(seed: int, n: int = 60) -> list[tuple[str, int]]:
+    rng = random.Random(seed)
+    return [(rng.choice(["popleft", "popleft_n", "remove", "append", "append_n", "prepend_n"]),
+             rng.randrange(1 << 16)) for _ in range(n)]
+
+
+def drive_queue(vllm, ops: list[tuple[str, int]], num_blocks: int = 12) -> str | None:
+    """Apply ops to vLLM's FreeKVCacheBlockQueue and chapter 8's EvictionOrderQueue (chapter
+    3's queue and prepend_n) over blocks numbered alike; the first divergence, or None. An
+    operation that has nothing to work on (an empty queue, no block outside it) is skipped."""
+    vblocks = [vllm.utils.KVCacheBlock(i) for i in range(num_blocks)]
+    mblocks = [KVCacheBlock(i) for i in range(num_blocks)]
+    vq, mq = vllm.utils.FreeKVCacheBlockQueue(list(vblocks)), EvictionOrderQueue(list(mblocks))
+    for index, (name, pick) in enumerate(ops):
+        queued = [b.block_id for b in mq]
+        outside = [i for i in range(num_blocks) if i not in queued]
+        if name in ("popleft", "popleft_n", "remove") and not queued or \
+                name in ("append", "append_n", "prepend_n") and not outside:
+            continue
+        if name == "popleft":
+            got = (vq.popleft().block_id, mq.popleft().block_id)
+        elif name == "popleft_n":
+            k = 1 + pick % len(queued)
+            got = ([b.block_id for b in vq.popleft_n(k)], [b.block_id for b in mq.popleft_n(k)])
+        elif name == "remove":
+            i = queued[pick % len(queued)]
+            vq.remove(vblocks[i])
+            mq.remove(mblocks[i])
+            got = None
+        else:
+            chosen = random.Random(pick).sample(outside, 1 if name == "append" else
+                                                1 + pick % len(outside))
+            if name == "append":
+                vq.append(vblocks[chosen[0]])
+                mq.append(mblocks[chosen[0]])
+            else:
+                getattr(vq, name)([vblocks[i] for i in chosen])
+                getattr(mq, name)([mblocks[i] for i in chosen])
+            got = None
+        if got is not None and got[0] != got[1]:
+            return f"operation {index} {name}: vLLM took {got[0]}, minipaged {got[1]}"
+        vorder = [b.block_id for b in vq.get_all_free_blocks()]
+        morder = [b.block_id for b in mq]
+        if vorder != morder or vq.num_free_blocks != mq.num_free_blocks:
+            return f"operation {index} {name}: queue vLLM {vorder}, minipaged {morder}"
+    return None
+
+
+@needs_vllm
+def test_the_free_queue_moves_as_vllms(vllm):
+    for seed in SEEDS:
+        ops = queue_ops(seed)
+        failure = drive_queue(vllm, ops)
+        if failure is not None:
+            while len(ops) > 1 and drive_queue(vllm, ops[:-1]) is not None:
+                ops = ops[:-1]  # the shortest prefix that still fails
+            pytest.fail(f"seed {seed}: {drive_queue(vllm, ops)}\n{ops}", pytrace=False)
+
+
+@needs_vllm
+def test_a_queue_that_prepends_in_reverse_is_caught(vllm, monkeypatch):
+    prepend_n = EvictionOrderQueue.prepend_n
+    monkeypatch.setattr(EvictionOrderQueue, "prepend_n",
+                        lambda self, blocks: prepend_n(self, blocks[::-1]))
+    assert any("prepend_n" in (drive_queue(vllm, queue_ops(seed)) or "") for seed in SEEDS)
