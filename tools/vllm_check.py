@@ -7,7 +7,8 @@ symbols they define (``BlockPool.get_new_blocks``). This tool
 
 1. fetches the release's wheel once, with ``pip download --no-deps``, into a cache outside the
    repository (``$MINIPAGED_CACHE`` or ``~/.cache/minipaged``, then ``vllm-<version>/``), and
-   unpacks only its ``vllm/**/*.py`` files there;
+   unpacks only its ``vllm/**/*.py`` files there (``src/``); a wheel it downloaded is then
+   deleted, while one placed in ``wheel/`` by hand is kept and used instead of a download;
 2. parses every map of ``chapters/*.md`` and ``book/*.md`` (the maps themselves are the list)
    and checks that each path exists in the release and each symbol of the vLLM column is
    defined there: a class, a function, ``Class.method``, a module-level name, a class attribute
@@ -73,6 +74,7 @@ def fetch(version: str, quiet: bool = False) -> Path:
     wheels = home / "wheel"
     wheels.mkdir(parents=True, exist_ok=True)
     found = sorted(wheels.glob(f"vllm-{version}-*.whl"))
+    downloaded = not found
     if not found:
         if not quiet:
             print(f"vllm-check: downloading the vllm {version} wheel into {wheels}", flush=True)
@@ -91,6 +93,8 @@ def fetch(version: str, quiet: bool = False) -> Path:
     (partial / ".complete").write_text(found[0].name + "\n")
     shutil.rmtree(src, ignore_errors=True)
     partial.rename(src)
+    if downloaded:  # the sources are the cache: drop the wheel pip fetched (about 250 MB)
+        found[0].unlink()
     return src
 
 
