@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import csv
 import random
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -137,8 +138,9 @@ class VllmSide:
             config, max_model_len=max_model_len, scheduler_block_size=BLOCK_SIZE,
             hash_block_size=BLOCK_SIZE, enable_caching=caching, log_stats=True)
         self.pool = self.manager.block_pool
-        v.utils.init_none_hash(_vllm_sha256(v))
-        self.hasher = v.utils.get_request_block_hasher(BLOCK_SIZE, _vllm_sha256(v))
+        sha256 = sys.modules["vllm.utils.hashing"].sha256  # vLLM's default hash (see the stub)
+        v.utils.init_none_hash(sha256)
+        self.hasher = v.utils.get_request_block_hasher(BLOCK_SIZE, sha256)
 
     def request(self, request_id: str, tokens: list[int]) -> Any:
         params = _VllmSamplingParams()
@@ -159,11 +161,6 @@ class _VllmSamplingParams:
 
 class _Float16:  # a dtype stand-in: vLLM's spec asks only its size on these paths
     itemsize = 2
-
-
-def _vllm_sha256(v: Any):
-    import sys
-    return sys.modules["vllm.utils.hashing"].sha256
 
 
 @dataclass
