@@ -16,7 +16,7 @@ export MINIPAGED_SHARE_EXECUTION ?= 1
 unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: venv book test check check-chapters tangle lint bench gpu-check gpu-check-dry clean browser-check \
-	compile-check
+	compile-check vllm-check
 
 venv: $(STAMP)
 $(STAMP): requirements.txt pyproject.toml
@@ -113,6 +113,18 @@ $(MIN_VENV)/.installed: requirements.txt
 
 compile-check: $(MIN_VENV)/.installed
 	PYTHONPATH=$(CURDIR) TRITON_INTERPRET=0 $(MIN_VENV)/bin/python tools/compile_check.py
+
+## The vLLM release the book cites: _config.yml's vllm_version, its one home (the pages show it
+## from there). `make vllm-check VLLM_VERSION=0.34.0` tries another release. Downloads the wheel
+## once with pip into ~/.cache/minipaged (MINIPAGED_CACHE), unpacks its vllm/**/*.py, checks every
+## path and name the chapters' maps cite, then runs vLLM's block pool and KV-cache manager beside
+## minipaged's (tests/test_vllm_differential.py; the differences it allows: book/vllm_differences.csv).
+VLLM_VERSION ?= $(shell sed -n 's/^ *vllm_version: *"\{0,1\}\([0-9][0-9.]*\)"\{0,1\} *$$/\1/p' _config.yml)
+# Both halves run, so that another release shows its stale map entries and its behaviour at once.
+vllm-check: $(STAMP)
+	@status=0; set -x; $(BIN)/python tools/vllm_check.py --version $(VLLM_VERSION) || status=1; \
+	VLLM_VERSION=$(VLLM_VERSION) $(BIN)/python -m pytest tests/test_vllm_check.py \
+		tests/test_vllm_differential.py -q -p no:cacheprovider || status=1; exit $$status
 
 clean:
 	rm -rf _build

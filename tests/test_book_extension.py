@@ -76,3 +76,21 @@ def test_the_book_skips_every_virtualenv_the_makefile_builds():
              re.search(r"^MIN_VENV := (\S+)", makefile, re.M).group(1)}
     excluded = yaml.safe_load((root / "_config.yml").read_text())["exclude_patterns"]
     assert {f"{venv}/*" for venv in venvs} <= set(excluded), (venvs, excluded)
+
+
+def test_the_vllm_release_is_written_into_code_blocks_too():
+    # _config.yml's vllm_version is the release's one home: MyST substitutes it in prose, the
+    # extension in the intro's download commands (code, which MyST leaves alone).
+    class App:
+        class config:
+            myst_substitutions = {"vllm_version": "9.9.9"}
+
+    source = ["pip download --no-deps vllm=={{ vllm_version }}\n`vllm-{{ vllm_version }}/`"]
+    minipaged_book._vllm_version(App, "book/intro", source)
+    assert source == ["pip download --no-deps vllm==9.9.9\n`vllm-9.9.9/`"]
+
+
+def test_jupyter_book_hands_the_vllm_release_to_sphinx():
+    import yaml
+    config = yaml.safe_load((Path(__file__).resolve().parents[1] / "_config.yml").read_text())
+    assert config["parse"]["myst_substitutions"]["vllm_version"]

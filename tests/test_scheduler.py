@@ -4,7 +4,14 @@ import pytest
 import minipaged.scheduler as scheduler_module
 from minipaged.blocks import BlockPool, BlockTable
 from minipaged.sampling import SamplingParams
-from minipaged.scheduler import KVCacheManager, Request, RequestStatus, Scheduler, needs_sample
+from minipaged.scheduler import (
+    NO_NEW_BLOCKS,
+    KVCacheManager,
+    Request,
+    RequestStatus,
+    Scheduler,
+    needs_sample,
+)
 
 
 def make(num_blocks=8, block_size=16, budget=2048, max_num_seqs=256, max_model_len=512):
@@ -179,7 +186,20 @@ def test_allocate_slots_builds_a_table_only_when_it_is_missing(monkeypatch):
         r.num_computed_tokens += 1
     assert CountedTable.built == 1 and manager.get_block_table(r) is table
     assert table.block_ids == [0, 1, 2] and manager.pool.num_allocator_calls == 3
-    assert manager.allocate_slots(r, 0) == () and CountedTable.built == 1  # nothing new, none built
+    assert manager.allocate_slots(r, 0) is NO_NEW_BLOCKS and CountedTable.built == 1  # none built
+
+
+def test_allocate_slots_success_is_true_even_without_a_new_block():
+    # vLLM's idiom `if not manager.allocate_slots(...)`: only the refusal, None, is false.
+    manager = KVCacheManager(BlockPool(num_blocks=4, block_size=4))
+    r = request("a", 3)
+    assert manager.allocate_slots(r, 3)  # one new block
+    r.num_computed_tokens = 3
+    grown = manager.allocate_slots(r, 1)  # the last block has room: nothing new
+    assert grown and len(grown) == 0 and grown is NO_NEW_BLOCKS
+    assert manager.allocate_slots(request("b", 0), 0) is NO_NEW_BLOCKS  # no tokens, no block
+    assert not manager.allocate_slots(request("c", 40), 40)  # refused: None, the one false
+    assert manager.allocate_slots(request("d", 40), 40) is None
 
 
 @pytest.mark.parametrize("num_new_tokens", [-1, 1.5, True, "3", None])

@@ -96,8 +96,21 @@ def _name_the_chapter(app, docname, source) -> None:
         os.environ.pop("MINIPAGED_CHAPTER", None)
 
 
+VLLM_VERSION = "{{ vllm_version }}"
+
+
+def _vllm_version(app, docname, source) -> None:
+    # The release the maps cite is written once, as _config.yml's vllm_version substitution.
+    # MyST substitutes it in prose only; this puts it in code blocks and inline code as well
+    # (the intro's download commands), before MyST reads the page.
+    version = (getattr(app.config, "myst_substitutions", None) or {}).get("vllm_version")
+    if version and VLLM_VERSION in source[0]:
+        source[0] = source[0].replace(VLLM_VERSION, str(version))
+
+
 def setup(app):
     app.connect("config-inited", _default_mode)
+    app.connect("source-read", _vllm_version)
     app.connect("env-get-outdated", _reread_reckoning)
     app.connect("source-read", _name_the_chapter)
     app.connect("html-page-context", _one_of_each_script, priority=100)  # before any handler

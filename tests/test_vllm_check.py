@@ -1,0 +1,120 @@
+"""tools/vllm_check.py: the maps' parser and checker on a small made-up release (``make
+vllm-check`` runs the tool itself over every map of the book against the real one)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools"))
+import vllm_check  # noqa: E402
+
+RELEASE = {
+    "vllm/v1/core/block_pool.py": '''
+class BlockPool:
+    free_block_queue_class = None
+
+    def __init__(self, num_blocks: int):
+        self.blocks = []
+
+    def get_new_blocks(self, num_blocks):
+        return []
+''',
+    "vllm/v1/core/kv_cache_utils.py": '''
+NONE_HASH: bytes
+
+def init_none_hash(hash_fn):
+    global NONE_HASH
+''',
+    "vllm/benchmarks/serve.py": '''
+async def benchmark(backend, request_rate):
+    pass
+
+def main(args):
+    pass
+''',
+}
+
+PAGE = """# A chapter
+
+::::{admonition} Where this lives in vLLM
+:class: tip
+
+| minipaged | vLLM v1 | difference |
+| --- | --- | --- |
+| `Pool` | `BlockPool.get_new_blocks`, `vllm/v1/core/block_pool.py` | same |
+| `pool.blocks` | `BlockPool.blocks` and `free_block_queue_class`, `block_pool.py` | same |
+| `NONE` | `vllm/v1/core/kv_cache_utils.py`: `NONE_HASH`, `init_none_hash` | same |
+| `bench` | `benchmark` and `main` in `vllm/benchmarks/serve.py`; `torch.cuda.mem_get_info` | x |
+| `fork` | v0's `vllm/core/block_manager.py`: `SelfAttnBlockSpaceManager.fork` | gone |
+| `copy` | `copy_kernel` in `csrc/cache_kernels.cu` | C++ |
+{stale}
+::::
+"""
+
+
+@pytest.fixture
+def release(tmp_path):
+    for name, text in RELEASE.items():
+        path = tmp_path / "release" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return vllm_check.Release(tmp_path / "release")
+
+
+def write_page(tmp_path, stale=""):
+    (tmp_path / "chapters").mkdir(exist_ok=True)
+    page = tmp_path / "chapters" / "99_x.md"
+    page.write_text(PAGE.replace("{stale}", stale))
+    return page
+
+
+def test_every_named_path_and_symbol_resolves(tmp_path, release):
+    page = write_page(tmp_path)
+    entries = vllm_check.entries(page, tmp_path)
+    symbols = {e.name for e in entries if e.kind == "symbol" and e.checkable}
+    assert symbols == {"BlockPool.get_new_blocks", "BlockPool.blocks", "free_block_queue_class",
+                       "NONE_HASH", "init_none_hash", "benchmark", "main"}
+    unchecked = {e.name: e.why for e in entries if not e.checkable}
+    assert unchecked["SelfAttnBlockSpaceManager.fork"].startswith("vLLM v0")
+    assert unchecked["copy_kernel"] == "outside the wheel"
+    assert vllm_check.check(release, tmp_path) == []
+
+
+@pytest.mark.parametrize("stale, message", [
+    ("| `gone` | `BlockPool.gone`, `vllm/v1/core/block_pool.py` | moved |",
+     "BlockPool.gone is not defined in vllm/v1/core/block_pool.py"),
+    ("| `moved` | `vllm/v1/core/moved.py`: `Moved` | moved |", "no file vllm/v1/core/moved.py"),
+    ("| `short` | `nowhere.py` | x |", "no file ending in nowhere.py"),
+    ("| `any` | `NotAnywhere` | x |", "NotAnywhere is not defined in the release"),
+])
+def test_a_stale_entry_is_named_at_its_chapter_line(tmp_path, release, stale, message):
+    page = write_page(tmp_path, stale)
+    line = page.read_text().splitlines().index(stale) + 1
+    assert vllm_check.check(release, tmp_path) == [f"chapters/99_x.md:{line}: {message}"]
+
+
+def test_defined_names_cover_methods_attributes_and_parameters():
+    names = vllm_check.defined_names(RELEASE["vllm/v1/core/block_pool.py"])
+    assert {"BlockPool", "BlockPool.get_new_blocks", "BlockPool.blocks",
+            "BlockPool.free_block_queue_class", "BlockPool.get_new_blocks.num_blocks"} <= names
+
+
+def test_the_release_is_written_once():
+    version = vllm_check.configured_version()
+    makefile = (ROOT / "Makefile").read_text()
+    assert "VLLM_VERSION ?= $(shell sed" in makefile and "_config.yml" in makefile
+    for path in [*ROOT.glob("chapters/*.md"), *ROOT.glob("book/*.md")]:
+        assert version not in path.read_text(), (
+            f"{path.name} writes the release; use {{{{ vllm_version }}}}")
+
+
+def test_no_page_or_tool_mentions_an_index_of_copies():
+    words = " ".join(["code", "index"])  # spelled apart: neither this file nor its .pyc matches
+    for path in ROOT.rglob("*"):
+        if path.is_file() and not {".git", ".venv", "_build"} & set(path.parts) \
+                and path.suffix in {".md", ".py", ".ipynb", ".yml", ".csv", ".txt"}:
+            assert words not in path.read_text(errors="ignore").lower(), path
+
