@@ -195,6 +195,7 @@ def test_latencies_follow_from_the_steps_the_run_took():
     assert run_summary(run)["request_throughput"] == pytest.approx(len(trace) / last.max())
 
 
+@pytest.mark.heavy  # seconds: a model's forward passes for every step
 @pytest.mark.parametrize("name", list(SERVING_ENGINES))
 def test_the_simulated_engine_schedules_as_the_real_engine_does(name):
     """With the same cost model, LLMEngine's forward passes and SimulatedEngine's stand-in
@@ -258,6 +259,7 @@ def test_bad_input_names_the_field(field, call):
         call()
 
 
+@pytest.mark.heavy  # seconds: a model's forward passes for every step
 def test_reservation_engines_run_on_the_real_engine():
     model = random_model(ModelConfig(64, 32, 32, 1, 2, 1, 16, 512), seed=1)
     manager_cls, scheduler_cls = SERVING_ENGINES["Pow2"]
