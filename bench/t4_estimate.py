@@ -41,10 +41,10 @@ from pathlib import Path
 
 import torch
 
+from minipaged.serving import T4_BYTES_PER_S, T4_FP16_FLOPS  # the card's peaks, one definition
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results" / "t4_estimate.csv"
-T4_FP16_FLOPS = 65e12  # the T4's fp16 tensor-core peak
-T4_BYTES_PER_S = 320e9  # the T4's memory bandwidth
 CPU_CHAPTERS = ("02_fragmentation", "03_block_pool")
 FIELDS = ["chapter", "peak GiB on a T4 (ledger)", "steps", "of which preemption",
           "prompt tokens", "recomputed tokens", "uncounted requests", "floor min", "host s/step",

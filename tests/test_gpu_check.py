@@ -387,3 +387,15 @@ def test_a_gpu_table_reads_as_markdown_under_its_cards_name(tmp_path):
               tables=("prefix",))
     assert "not a T4" not in gpu_results("prefix", root=tmp_path).markdown_table(["ms"])
     assert t4.name == "Tesla_T4"
+
+
+@pytest.mark.heavy
+def test_serving_stage_writes_a_row_per_engine_and_rate(tmp_path, monkeypatch):
+    monkeypatch.delenv("HF_HOME", raising=False)
+    stages.serving(stages.Context(tmp_path, dry_run=True))
+    rows = common.read_rows(tmp_path / "serving.csv")
+    assert [r["engine"] for r in rows] == ["paged", "Oracle", "Pow2", "Max"]
+    assert {r["pool_blocks"] for r in rows} == {"32"} and {r["requests"] for r in rows} == {"4"}
+    assert all(r["num_preemptions"] == "0" for r in rows[1:])  # reservations never preempt
+    assert all(float(r["mean_normalized_ms"]) > 0 and float(r["held_tokens"]) >= float(
+        r["used_tokens"]) for r in rows)

@@ -197,10 +197,10 @@ class Walker:
             self.frames[-1][node.name] = UNKNOWN
         elif isinstance(node, ast.For):
             self.loop(node)
-        elif isinstance(node, ast.While):
+        elif isinstance(node, ast.While):  # its body walked once; continue ends that pass too
             try:
                 self.block(node.body)
-            except Break:
+            except (Break, Continue):
                 pass
         elif isinstance(node, ast.If):
             test = self.eval(node.test)

@@ -20,6 +20,8 @@ engine          70  LLM.generate, fp16, real geometry: mixed and starved workloa
 syncs           25  host-device syncs per engine step
 prefix          40  chapter 8's prefix cache: shared prompt, cold and warm TTFT (skipped
                     where minipaged.prefix_cache does not exist)
+serving         90  chapter 13's driver: four KV cache managers, eight windows and the
+                    study's pool, Poisson arrivals (skipped without minipaged.serving)
 chapter_NN    rest  chapters 1, 5, 6, 7, 8, 9, 11 at full size, 14.6 GiB cap each, side by
                     side (each cell's pinned host bytes beside its GPU memory)
 =============  ===  ================================================================
@@ -53,7 +55,7 @@ from gpu_check.common import ROOT, RowWriter, now, slug, write_json  # noqa: E40
 
 # (stage, cap in seconds); the chapters run together at the end with whatever time is left.
 PLAN = [("env", 15), ("kernel_tests", 60), ("kernels", 75), ("hub", 40), ("engine", 70),
-        ("syncs", 25), ("prefix", 40)]
+        ("syncs", 25), ("prefix", 40), ("serving", 90)]
 PARALLEL = ["chapter_01", "chapter_05", "chapter_05b", "chapter_06", "chapter_06b", "chapter_07",
             "chapter_07b", "chapter_07c", "chapter_08", "chapter_09", "chapter_11"]
 SKIP_CODE = 3  # a worker's exit status meaning "skipped: does not apply here"

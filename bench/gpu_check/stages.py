@@ -462,6 +462,82 @@ def prefix(ctx: Context) -> None:
             ctx.log(f"prefix: TTFT at {length} tokens recorded")
 
 
+# ---- serving under load (chapter 13), when it exists ----
+
+SERVING_FIELDS = ["gpu", "pool_blocks", "max_model_len", "engine", "rate", "requests", "seconds",
+                  "request_throughput", "output_throughput", "mean_ttft_ms", "mean_tpot_ms",
+                  "mean_itl_ms", "mean_e2e_ms", "mean_normalized_ms", "mean_batch", "peak_batch",
+                  "held_tokens", "used_tokens", "num_preemptions", "dtype", "layers"]
+
+
+def serving(ctx: Context) -> None:
+    """Chapter 13's driver on the GPU: chapter 7's engine with each KV cache manager, real forward
+    passes at the real geometry, the pool of eight windows and the study's pool of 58,064 blocks
+    (max_model_len 2,048), Poisson arrivals at multiples of the paged engine's flood throughput."""
+    import gc
+
+    import torch
+
+    if importlib.util.find_spec("minipaged.serving") is None:
+        raise Skip("minipaged.serving does not exist at this commit (chapter 13 not merged)")
+    from minipaged.engine import LLMEngine
+    from minipaged.serving import SERVING_ENGINES, make_trace, run_summary, serve
+
+    ctx.require_cuda()
+    device, model = ctx.device(), model_at_real_geometry(ctx)
+    gpu = "CPU dry run" if ctx.dry_run else torch.cuda.get_device_name(device)
+    window = 64 if ctx.dry_run else 2048
+    pools = [8 * window // 16] if ctx.dry_run else [8 * window // 16, 58_064]
+    num_requests, fractions = (4, (1.0,)) if ctx.dry_run else (100, (0.5, 1.0, 2.0))
+    scale = window / 2048  # chapter 2's median and mean, scaled to the window
+
+    def clock() -> float:
+        _synchronize(device)
+        return time.perf_counter()
+
+    def trace(rate):
+        return make_trace(num_requests, rate, seed=0, max_model_len=window, median=180 * scale,
+                          mean=260 * scale)
+
+    def one_run(writer, blocks, name, rate):
+        manager_cls, scheduler_cls = SERVING_ENGINES[name]
+        engine = LLMEngine(model, num_gpu_blocks=blocks, block_size=16, max_model_len=window,
+                           kv_cache_manager_cls=manager_cls, scheduler_cls=scheduler_cls)
+        start = time.perf_counter()
+        summary = run_summary(serve(engine, trace(rate), clock=clock))
+        seconds, preemptions = time.perf_counter() - start, engine.scheduler.num_preemptions
+        del engine
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        if writer is not None:
+            row = {"gpu": gpu, "pool_blocks": blocks, "max_model_len": window, "engine": name,
+                   "rate": rate, "requests": num_requests, "seconds": seconds,
+                   "num_preemptions": preemptions, "layers": model.config.num_hidden_layers,
+                   "dtype": str(ctx.dtype()).removeprefix("torch.")}
+            row.update({key: summary[key] for key in SERVING_FIELDS if key in summary})
+            row.update({f"mean_{key}_ms": summary[f"mean_{key}"] * 1e3
+                        for key in ("ttft", "tpot", "itl", "e2e", "normalized")})
+            writer.write(row)
+            ctx.log(f"serving: pool {blocks}, {name:>6} at {rate:8.2f}/s: "
+                    f"{summary['mean_normalized'] * 1e3:8.2f} ms/token, batch "
+                    f"{summary['mean_batch']:.1f}")
+        return summary
+
+    with RowWriter(ctx.results / "serving.csv", SERVING_FIELDS) as writer:
+        for blocks in pools:
+            if ctx.time_left() < 20:
+                ctx.log(f"serving: no time left for the pool of {blocks} blocks")
+                break
+            anchor = one_run(None, blocks, "paged", 1e9)["request_throughput"]
+            for name in SERVING_ENGINES:
+                for fraction in fractions:
+                    if ctx.time_left() < 15:
+                        ctx.log("serving: stopped at the time cap")
+                        return
+                    one_run(writer, blocks, name, anchor * fraction)
+
+
 # ---- the stand-in checkpoint, and the chapters at full size ----
 
 def hub(ctx: Context) -> None:
@@ -501,5 +577,5 @@ def chapter(ctx: Context, name: str) -> None:
 
 
 STAGES = {"env": env, "kernel_tests": kernel_tests, "kernels": kernels, "hub": hub,
-          "engine": engine, "syncs": syncs, "prefix": prefix,
+          "engine": engine, "syncs": syncs, "prefix": prefix, "serving": serving,
           **{name: (lambda ctx, name=name: chapter(ctx, name)) for name in CHAPTERS}}
