@@ -105,7 +105,7 @@ def test_verdicts_follow_the_studys_precision_and_the_size_of_the_run(tmp_path):
     assert rows["tail_share_16"]["minipaged"] == pytest.approx(2.82)
     assert rows["tail_share_16"]["verdict"] == "reproduced (within ±0.2 points)"  # a sample
     assert rows["gain_equal_256"]["verdict"].startswith(  # 8.0 printed: 7.2 is not it
-        "differs (within ±0.05x, half the study's last digit)")
+        "differs (not within ±0.05x, half the study's last digit)")
     assert rows["reservation_over_tail"]["verdict"] == "reproduced (at least the study's 100x)"
     assert rows["sixteen_off_s"]["verdict"].startswith("not comparable at small size, because")
     assert rows["sixteen_off_s"]["minipaged"] == 3.1  # shown all the same, with no ratio
@@ -202,7 +202,7 @@ def test_derived_rows_say_so_and_worded_rows_show_the_studys_words(tmp_path):
                                                                  root=tmp_path)}
     # arithmetic on the study's own figures is never called a reproduction
     assert rows["start_to_start_blocks"]["verdict"].startswith("derived, not measured: ")
-    assert rows["all_tables_kib"]["verdict"] == "reproduced (within ±200 KiB)"
+    assert rows["all_tables_kib"]["verdict"] == "reproduced (within ±200 KiB of the 300 its words mean)"
     table = reproduction_table([rows["all_tables_kib"]])
     assert "“a few hundred kilobytes”" in table and ">300 KiB<" not in table
     cells = re.findall(r"<td[^>]*>([^<]*)</td>", table)
