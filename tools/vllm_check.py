@@ -18,9 +18,10 @@ symbols they define (``BlockPool.get_new_blocks``). This tool
 How a map cell is read. The vLLM column is split at semicolons into segments. A symbol is looked
 up in the files its segment names; a segment that names none uses the files of its cell; a cell
 that names none, the whole release. A segment that starts with ``v0`` (vLLM's first engine, not
-in the v1 releases) or that names only files outside the wheel (``csrc/``, ``tests/``) is listed
-as not checkable, not failed. A backticked ``*.py`` that is not a ``vllm/`` path
-(``triton_attn.py``) must be the tail of a path of the release. Names of other libraries
+in the v1 releases) is checked against the last release that has it, ``vllm_v0_version`` in
+_config.yml (fetched the same way); one that names only files outside the wheel (``csrc/``,
+``tests/``) is listed as not checkable, not failed. A backticked ``*.py`` that is not a
+``vllm/`` path (``triton_attn.py``) must be the tail of a path of the release. Names of other libraries
 (``torch.*``), Python's builtins, command-line flags and expressions are not symbols.
 
     python tools/vllm_check.py                    # the release _config.yml names
@@ -50,12 +51,12 @@ IDENT = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 FOREIGN = ("torch.", "np.", "numpy.", "triton.", "tl.", "os.", "cuda")  # other libraries' names
 
 
-def configured_version(config: Path = CONFIG) -> str:
-    """The release the book cites: ``vllm_version`` in _config.yml's substitutions."""
-    match = re.search(r'^\s*vllm_version:\s*"?([0-9][0-9A-Za-z.+-]*)"?\s*$',
-                      config.read_text(), re.M)
+def configured_version(config: Path = CONFIG, key: str = "vllm_version") -> str:
+    """The release the book cites: ``vllm_version`` in _config.yml's substitutions (or
+    ``vllm_v0_version``, the release whose v0 engine the v0 rows cite)."""
+    match = re.search(rf'^\s*{key}:\s*"?([0-9][0-9A-Za-z.+-]*)"?\s*$', config.read_text(), re.M)
     if not match:
-        raise SystemExit(f"{config}: no vllm_version substitution")
+        raise SystemExit(f"{config}: no {key} substitution")
     return match.group(1)
 
 
@@ -80,6 +81,7 @@ def fetch(version: str, quiet: bool = False) -> Path:
             print(f"vllm-check: downloading the vllm {version} wheel into {wheels}", flush=True)
         subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet",
                         "--only-binary=:all:", "--platform", "manylinux_2_28_x86_64",
+                        "--platform", "manylinux1_x86_64",  # older releases' tag (0.10.2)
                         "--dest", str(wheels), f"vllm=={version}"], check=True)
         found = sorted(wheels.glob(f"vllm-{version}-*.whl"))
         if not found:
@@ -191,6 +193,7 @@ class Entry:
     cell_paths: list[str] = field(default_factory=list)  # then the files of its whole cell
     checkable: bool = True
     why: str = ""
+    v0: bool = False  # a row about vLLM's first engine: checked against the v0 release
 
 
 def maps(text: str) -> list[tuple[int, list[str]]]:
@@ -252,10 +255,11 @@ def entries(page: Path, root: Path = ROOT) -> list[Entry]:
                 if not is_row or k != column:
                     continue
                 cell_paths = [t for t in ticks if t.endswith(".py")]
+                v0_cell = re.match(r"\s*v0\b", cell) is not None  # every segment is v0's
                 for segment in cell.split(";"):
                     seg_ticks = TICKED.findall(segment)
                     seg_paths = [t for t in seg_ticks if t.endswith(".py")] or cell_paths
-                    v0 = re.match(r"\s*v0\b", segment) is not None
+                    v0 = v0_cell or re.match(r"\s*v0\b", segment) is not None
                     outside = bool(seg_paths) and not any(
                         p.startswith("vllm/") or "/" not in p for p in seg_paths)
                     outside = outside or bool(re.search(r"`(csrc|tests)/", segment))
@@ -263,15 +267,14 @@ def entries(page: Path, root: Path = ROOT) -> list[Entry]:
                         if not is_symbol(token):
                             continue
                         entry = Entry(rel, lineno, "symbol", token, seg_paths, cell_paths)
-                        if v0:
-                            entry.checkable, entry.why = False, "vLLM v0, not in a v1 release"
-                        elif outside:
+                        entry.v0 = v0
+                        if outside:  # csrc/ or tests/: in no wheel, v0's or v1's
                             entry.checkable, entry.why = False, "outside the wheel"
                         found.append(entry)
-                if re.match(r"\s*v0\b", cell):  # a v0 cell's paths name the removed engine
+                if v0_cell:  # a v0 cell's paths name the removed engine
                     for entry in found:
                         if entry.line == lineno and entry.kind == "path":
-                            entry.checkable, entry.why = False, "vLLM v0, not in a v1 release"
+                            entry.v0 = True
     for entry in found:  # files outside the wheel: the source tree's csrc/ and tests/
         if entry.kind == "path" and entry.name.startswith(("csrc/", "tests/")):
             entry.checkable, entry.why = False, "outside the wheel"
@@ -303,16 +306,21 @@ def resolve(entry: Entry, release: Release) -> str | None:
     return f"{entry.name} is not defined in {where}"
 
 
-def check(release: Release, root: Path = ROOT, verbose: bool = False) -> list[str]:
-    """The stale entries of every map, as ``file:line: message`` lines."""
+def check(release: Release, root: Path = ROOT, verbose: bool = False,
+          v0_release: Release | None = None) -> list[str]:
+    """The stale entries of every map, as ``file:line: message`` lines; a v0 row's entries are
+    looked up in v0_release (not checkable without one)."""
     stale, unchecked, seen = [], [], 0
     for page in pages(root):
         for entry in entries(page, root):
+            if entry.v0 and v0_release is None and entry.checkable:
+                entry.checkable, entry.why = False, "vLLM v0, not in a v1 release"
             if not entry.checkable:
                 unchecked.append(f"{entry.file}:{entry.line}: {entry.name} ({entry.why})")
                 continue
             seen += 1
-            why = resolve(entry, release)
+            why = resolve(entry, v0_release if entry.v0 else release)
+            why = f"{why} (vLLM v0)" if why and entry.v0 else why
             if why:
                 stale.append(f"{entry.file}:{entry.line}: {why}")
     if verbose:
@@ -324,6 +332,8 @@ def check(release: Release, root: Path = ROOT, verbose: bool = False) -> list[st
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--version", default=None, help="vLLM release (default: _config.yml)")
+    parser.add_argument("--v0-version", default=None,
+                        help="the release the v0 rows cite (default: _config.yml)")
     parser.add_argument("--fetch-only", action="store_true")
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
@@ -332,10 +342,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.fetch_only:
         print(root)
         return 0
-    stale = check(Release(root), verbose=args.verbose)
+    v0_version = args.v0_version or configured_version(key="vllm_v0_version")
+    v0_root = fetch(v0_version)
+    stale = check(Release(root), verbose=args.verbose, v0_release=Release(v0_root))
     for line in stale:
         print(line)
-    print(f"vllm-check: maps against vLLM {version}: "
+    print(f"vllm-check: maps against vLLM {version} (v0 rows: {v0_version}): "
           f"{'all entries found' if not stale else f'{len(stale)} stale entries'}")
     return 1 if stale else 0
 
