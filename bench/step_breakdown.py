@@ -36,6 +36,7 @@ import argparse
 import csv
 import inspect
 import json
+import sys
 import tempfile
 import time
 from collections import defaultdict
@@ -44,12 +45,12 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from minipaged import LLM, SamplingParams
+from minipaged import LLM, SamplingParams, kernels, sampling
 from minipaged import engine as engine_module
-from minipaged import kernels, model as model_module, sampling, scheduler as scheduler_module
+from minipaged import model as model_module
+from minipaged import scheduler as scheduler_module
 from minipaged.model import ModelConfig, random_model
 
-import sys
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine import workload  # noqa: E402  (bench/engine.py's prompts and answer lengths)
 
@@ -57,7 +58,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 CATEGORIES = ["linear layers", "attention (SDPA)", "table gathers", "KV store",
               "batching copies", "rotary", "other tensor ops", "sampling",
               "metadata and checks", "scheduler and pool", "the rest (Python between them)"]
-FIELDS = ["threads", "step", "steps", "category", "ms_per_step", "share"]
+FIELDS = ["threads", "step", "steps", "tokens_per_step", "category", "ms_per_step", "share"]
 
 
 def _where(function) -> tuple[str, int, int]:
@@ -191,9 +192,9 @@ def kernel_share(events) -> dict:
     return {k: inside[k] / whole[k] for k in whole}
 
 
-def step_times(llm, prompts, params) -> dict:
-    """Mean wall-clock ms per decode and per mixed step, without a profiler."""
-    engine, times = llm.llm_engine, defaultdict(list)
+def step_times(llm, prompts, params) -> tuple[dict, dict]:
+    """Mean wall-clock ms per decode and per mixed step, without a profiler; mean tokens each."""
+    engine, times, tokens = llm.llm_engine, defaultdict(list), defaultdict(list)
     for i, (prompt, param) in enumerate(zip(prompts, params)):
         engine.add_request(f"t{i}", prompt, param)
     while engine.has_unfinished_requests():
@@ -202,7 +203,9 @@ def step_times(llm, prompts, params) -> dict:
         kind = "decode" if max(out.num_scheduled_tokens.values()) == 1 else "mixed"
         engine.execute(out)
         times[kind].append(time.perf_counter() - start)
-    return {k: 1e3 * sum(v) / len(v) for k, v in times.items()}
+        tokens[kind].append(out.total_num_scheduled_tokens)
+    return ({k: 1e3 * sum(v) / len(v) for k, v in times.items()},
+            {k: sum(v) / len(v) for k, v in tokens.items()})
 
 
 def measure(threads: int, repeats: int) -> list[dict]:
@@ -214,11 +217,11 @@ def measure(threads: int, repeats: int) -> list[dict]:
     llm = LLM(model=model, max_model_len=config.max_position_embeddings,
               enable_prefix_caching=False)
     places = [(_where(f), c) for f, c in NAMED]
-    step_times(llm, prompts, params)  # warm-up
+    _, tokens = step_times(llm, prompts, params)  # warm-up; the same tokens every run
     fastest: dict = {}  # per step kind: the profiled repeat whose steps were fastest
     plain, share = defaultdict(list), defaultdict(list)
     for _ in range(repeats):  # interleaved: plain, light profile, stack profile
-        for kind, ms in step_times(llm, prompts, params).items():
+        for kind, ms in step_times(llm, prompts, params)[0].items():
             plain[kind].append(ms)
         for kind, value in kernel_share(profiled(llm, prompts, params, False)).items():
             share[kind].append(value)
@@ -234,9 +237,11 @@ def measure(threads: int, repeats: int) -> list[dict]:
         per_step["step, profiled with stacks"] = whole
         per_step["step, no profiler"] = min(plain[kind])
         for name, value in per_step.items():
-            rows.append(dict(threads=threads, step=kind, steps=steps, category=name,
+            rows.append(dict(threads=threads, step=kind, steps=steps,
+                             tokens_per_step=round(tokens[kind], 1), category=name,
                              ms_per_step=round(value, 4), share=round(value / whole, 4)))
         rows.append(dict(threads=threads, step=kind, steps=steps,
+                         tokens_per_step=round(tokens[kind], 1),
                          category="inside torch's compute kernels (share, no stacks)",
                          ms_per_step="", share=round(max(share[kind]), 4)))
     return rows
