@@ -499,14 +499,14 @@ class FailingModel:
     def __init__(self, inner, fail_at, error=None, hook=None):
         self.inner, self.fail_at, self.error, self.hook, self.calls = inner, fail_at, error, hook, 0
 
-    def __call__(self, *args):
+    def __call__(self, *args, **kwargs):
         self.calls += 1
         if self.calls == self.fail_at:
             if self.hook is not None:
                 self.hook()
             if self.error is not None:
                 raise self.error
-        return self.inner(*args)
+        return self.inner(*args, **kwargs)
 
 
 THREE = [{"prompt_token_ids": p} for p in ([1, 2, 3], [4, 5, 6, 7], [8, 9])]
