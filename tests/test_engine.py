@@ -103,6 +103,32 @@ def test_the_batched_cpu_path_gives_the_reference_tokens(model, prompts):
         o.outputs[0].token_ids for o in outputs["torch"]]
 
 
+def test_the_metadata_the_engine_builds_unchecked_passes_every_check(model, prompts):
+    """The engine builds each step's metadata and runs the model with validate=False; on every
+    step of a chunked, starved and prefix-cached run, chapter 6's checks accept what it built,
+    and the checked builder gives the same tensors."""
+    from minipaged.model import _check_inputs, prepare_metadata
+    for regime in ("chunked", "starved"):
+        engine = LLM(model=model, **({"max_model_len": 64} | REGIMES[regime])).llm_engine
+        for i, prompt in enumerate(prompts + prompts[:2]):  # the repeats hit the prefix cache
+            engine.add_request(str(i), prompt, GREEDY)
+        while engine.has_unfinished_requests():
+            out = engine.scheduler.schedule()
+            input_ids, metadata = engine.prepare_inputs(out)
+            _check_inputs(model.config, input_ids, metadata, engine.kv_cache)
+            manager, requests = engine.scheduler.kv_cache_manager, out.scheduled_requests
+            checked = prepare_metadata(
+                [manager.get_block_table(r).block_ids for r in requests],
+                [r.num_computed_tokens for r in requests],
+                [out.num_scheduled_tokens[r.request_id] for r in requests],
+                engine.pool.block_size)
+            for name in ("positions", "slot_mapping", "block_tables", "seq_lens",
+                         "query_start_loc"):
+                assert torch.equal(getattr(checked, name), getattr(metadata, name)), name
+            engine.execute(out)
+    assert engine.stats()["num_preemptions"] > 0  # the starved run preempted
+
+
 @pytest.mark.heavy  # a few tenths of a second or more: make test runs it, make check not
 def test_seeded_sampling_survives_preemption(model, prompts):
     params = [SamplingParams(temperature=1.0, top_p=0.9, seed=i, max_tokens=10, ignore_eos=True)
@@ -477,14 +503,14 @@ class FailingModel:
     def __init__(self, inner, fail_at, error=None, hook=None):
         self.inner, self.fail_at, self.error, self.hook, self.calls = inner, fail_at, error, hook, 0
 
-    def __call__(self, *args):
+    def __call__(self, *args, **kwargs):
         self.calls += 1
         if self.calls == self.fail_at:
             if self.hook is not None:
                 self.hook()
             if self.error is not None:
                 raise self.error
-        return self.inner(*args)
+        return self.inner(*args, **kwargs)
 
 
 THREE = [{"prompt_token_ids": p} for p in ([1, 2, 3], [4, 5, 6, 7], [8, 9])]

@@ -202,7 +202,8 @@ def test_derived_rows_say_so_and_worded_rows_show_the_studys_words(tmp_path):
                                                                  root=tmp_path)}
     # arithmetic on the study's own figures is never called a reproduction
     assert rows["start_to_start_blocks"]["verdict"].startswith("derived, not measured: ")
-    assert rows["all_tables_kib"]["verdict"] == "reproduced (within ±200 KiB of the 300 its words mean)"
+    assert rows["all_tables_kib"]["verdict"] == (
+        "reproduced (within ±200 KiB of the 300 its words mean)")
     table = reproduction_table([rows["all_tables_kib"]])
     assert "“a few hundred kilobytes”" in table and ">300 KiB<" not in table
     cells = re.findall(r"<td[^>]*>([^<]*)</td>", table)

@@ -21,8 +21,8 @@ that names none, the whole release. A segment that starts with ``v0`` (vLLM's fi
 in the v1 releases) is checked against the last release that has it, ``vllm_v0_version`` in
 _config.yml (fetched the same way); one that names only files outside the wheel (``csrc/``,
 ``tests/``) is listed as not checkable, not failed. A backticked ``*.py`` that is not a
-``vllm/`` path (``triton_attn.py``) must be the tail of a path of the release. Names of other libraries
-(``torch.*``), Python's builtins, command-line flags and expressions are not symbols.
+``vllm/`` path (``triton_attn.py``) must be the tail of a path of the release. Names of other
+libraries (``torch.*``), Python's builtins, command-line flags and expressions are not symbols.
 
     python tools/vllm_check.py                    # the release _config.yml names
     python tools/vllm_check.py --version 0.34.0   # another one

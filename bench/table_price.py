@@ -1,0 +1,145 @@
+"""The block table's price on the CPU path: chapter 5's batched attention against a no-table twin.
+
+Both sides run one layer of the book's small model geometry (14 query heads, 2 KV heads of 64,
+fp32) over the same step, planned once by ``plan_batched_attention``: the same groups, the same
+padding, the same masks and the same ``scaled_dot_product_attention`` calls. The only difference
+is where the keys and values come from:
+
+* **paged** (``batched_paged_attention``, what the engine runs on a CPU): every layer gathers each
+  group's blocks through the block table into a padded batch, then attends;
+* **contiguous** (no table): the same padded batches already sit in memory, one contiguous
+  tensor per group, as if each sequence's keys and values had been stored in a row of their own
+  (a reservation); the layer only attends.
+
+So the difference is the table's price on this path: the gathers. Two steps, taken from
+bench/engine.py's workload: a *decode step* (its 32 sequences, each one token past its prompt
+and half its answer) and a *mixed step* (half of them decoding, half bringing a 32-token chunk
+on top of their prompt). Each side runs once to warm up, then ``--repeats`` times, the two taking
+turns and the order reversed every other round; fastest and median are kept, at 1 and 2 threads.
+Timings are reported, never asserted; the two outputs are checked equal.
+
+    python bench/table_price.py          # writes bench/results/table_price_cpu.csv
+    python bench/table_price.py --quick  # 3 repeats at 1 thread, no CSV
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from minipaged.kernels import _gather_group, batched_paged_attention, plan_batched_attention
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine import workload  # noqa: E402  (bench/engine.py's prompts and answer lengths)
+
+RESULTS = Path(__file__).resolve().parent / "results"
+FIELDS = ["threads", "step", "sequences", "query_tokens", "context_tokens", "repeats",
+          "paged_ms_best", "contiguous_ms_best", "paged_ms_median", "contiguous_ms_median",
+          "price_best", "price_median"]
+HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 14, 2, 64, 16
+
+
+def step(kind: str, seed: int = 0):
+    """Query, one cache layer with scattered blocks, tables, lengths and starts of one step."""
+    prompts, answers = workload(512)
+    contexts = [len(p) + a // 2 for p, a in zip(prompts, answers)]
+    queries = [1] * len(contexts) if kind == "decode" else [
+        1 if i % 2 else 32 for i in range(len(contexts))]
+    gen = torch.Generator().manual_seed(seed)
+    blocks_each = [-(-n // BLOCK_SIZE) for n in contexts]
+    order = torch.randperm(sum(blocks_each) + 8, generator=gen).tolist()  # scattered blocks
+    tables, at = [], 0
+    for n in blocks_each:
+        tables.append(order[at:at + n])
+        at += n
+    width = max(blocks_each)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    layer = torch.randn(len(order), 2, BLOCK_SIZE, KV_HEADS * HEAD_DIM, generator=gen)
+    query = torch.randn(sum(queries), HEADS, HEAD_DIM, generator=gen)
+    starts = torch.tensor([0] + queries).cumsum(0)
+    return query, layer, block_tables, torch.tensor(contexts), starts, sum(contexts)
+
+
+def contiguous_attention(query, stored, plan, scale=None) -> torch.Tensor:
+    """batched_paged_attention's arithmetic on keys and values already laid out per group."""
+    head_dim = query.shape[2]
+    scale = head_dim**-0.5 if scale is None else scale
+    output = torch.empty_like(query)
+    for group, (keys, values) in zip(plan.groups, stored):
+        rows = query[group.tokens].float()
+        num_seqs, longest = group.tokens.shape
+        if longest == 1:
+            rows = rows.view(num_seqs, keys.shape[1], -1, head_dim)
+            out = F.scaled_dot_product_attention(rows, keys, values, attn_mask=group.mask,
+                                                 scale=scale).view(num_seqs, 1, -1, head_dim)
+        else:
+            out = F.scaled_dot_product_attention(rows.transpose(1, 2), keys, values,
+                                                 attn_mask=group.mask, is_causal=group.causal,
+                                                 scale=scale, enable_gqa=True).transpose(1, 2)
+        out = out.reshape(-1, *out.shape[2:])
+        if len(group.real_rows) < len(out):
+            out = out.index_select(0, group.real_rows)
+        output.index_copy_(0, group.real_tokens, out.to(query.dtype))
+    return output
+
+
+def measure(threads: int, repeats: int) -> list[dict]:
+    torch.set_num_threads(threads)
+    rows = []
+    for kind in ("decode", "mixed"):
+        query, layer, tables, lens, starts, context = step(kind)
+        plan = plan_batched_attention(tables, lens, starts, BLOCK_SIZE)
+        stored = [tuple(t.clone() for t in _gather_group(layer, g.blocks, HEAD_DIM))
+                  for g in plan.groups]  # the twin's cache: the gather's layout, kept
+        sides = {"paged": lambda q=query, c=layer, p=plan: batched_paged_attention(q, c, p),
+                 "contiguous": lambda q=query, s=stored, p=plan: contiguous_attention(q, s, p)}
+        assert torch.allclose(sides["paged"](), sides["contiguous"](), atol=1e-5)
+        times = {name: [] for name in sides}
+        for round_ in range(repeats):
+            for name in (list(sides) if round_ % 2 == 0 else list(sides)[::-1]):
+                start = time.perf_counter()
+                for _ in range(5):  # five layers' worth per timing, to rise above the clock
+                    sides[name]()
+                times[name].append((time.perf_counter() - start) / 5 * 1e3)
+        best = {n: min(t) for n, t in times.items()}
+        median = {n: statistics.median(t) for n, t in times.items()}
+        rows.append(dict(threads=threads, step=kind, sequences=len(lens),
+                         query_tokens=query.shape[0], context_tokens=context, repeats=repeats,
+                         paged_ms_best=round(best["paged"], 4),
+                         contiguous_ms_best=round(best["contiguous"], 4),
+                         paged_ms_median=round(median["paged"], 4),
+                         contiguous_ms_median=round(median["contiguous"], 4),
+                         price_best=round(best["paged"] / best["contiguous"] - 1, 4),
+                         price_median=round(median["paged"] / median["contiguous"] - 1, 4)))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="3 repeats, 1 thread, no CSV")
+    parser.add_argument("--repeats", type=int, default=21)
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    args = parser.parse_args()
+    repeats, threads = (3, [1]) if args.quick else (args.repeats, args.threads)
+    rows = [row for n in threads for row in measure(n, repeats)]
+    for row in rows:
+        print(f"{row['threads']} thr {row['step']:6} {row['sequences']} seqs, "
+              f"{row['query_tokens']} query tokens: paged {row['paged_ms_best']:.3f} ms, "
+              f"contiguous {row['contiguous_ms_best']:.3f} ms (fastest; table "
+              f"{100 * row['price_best']:+.0f}%, medians {100 * row['price_median']:+.0f}%)")
+    if not args.quick:
+        RESULTS.mkdir(exist_ok=True)
+        with open(RESULTS / "table_price_cpu.csv", "w", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=FIELDS)
+            writer.writeheader()
+            writer.writerows(rows)
+
+
+if __name__ == "__main__":
+    main()
