@@ -209,11 +209,16 @@ def main() -> None:
                   f"x{row['minipaged_speedup_median']:.2f} medians")
     print(f"measured in {time.perf_counter() - start:.0f} s")
     if not args.quick:
-        RESULTS.mkdir(exist_ok=True)
-        with open(RESULTS / "engine.csv", "w", newline="") as handle:
-            writer = csv.DictWriter(handle, fieldnames=FIELDS)
-            writer.writeheader()
-            writer.writerows(rows)
+        write_results("engine.csv", FIELDS, rows)
+
+
+def write_results(name: str, fields: list[str], rows: list[dict]) -> None:
+    """Write rows to bench/results/<name> as CSV (this script's and its neighbours' results)."""
+    RESULTS.mkdir(exist_ok=True)
+    with open(RESULTS / name, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
 
 
 if __name__ == "__main__":

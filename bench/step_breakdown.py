@@ -33,7 +33,6 @@ mean per step (the repeats least disturbed by other jobs), at each thread count
 from __future__ import annotations
 
 import argparse
-import csv
 import inspect
 import json
 import sys
@@ -52,7 +51,7 @@ from minipaged import scheduler as scheduler_module
 from minipaged.model import ModelConfig, random_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine import workload  # noqa: E402  (bench/engine.py's prompts and answer lengths)
+from engine import workload, write_results  # noqa: E402  (bench/engine.py's prompts, answers, CSVs)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CATEGORIES = ["linear layers", "attention (SDPA)", "table gathers", "KV store",
@@ -260,11 +259,7 @@ def main() -> None:
               f"{row['ms_per_step'] if row['ms_per_step'] != '' else '':>8}  "
               f"{100 * row['share']:5.1f}%")
     if not args.quick:
-        RESULTS.mkdir(exist_ok=True)
-        with open(RESULTS / "step_breakdown.csv", "w", newline="") as handle:
-            writer = csv.DictWriter(handle, fieldnames=FIELDS)
-            writer.writeheader()
-            writer.writerows(rows)
+        write_results("step_breakdown.csv", FIELDS, rows)
 
 
 if __name__ == "__main__":

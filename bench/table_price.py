@@ -24,7 +24,6 @@ Timings are reported, never asserted; the two outputs are checked equal.
 from __future__ import annotations
 
 import argparse
-import csv
 import statistics
 import sys
 import time
@@ -36,7 +35,7 @@ import torch.nn.functional as F
 from minipaged.kernels import _gather_group, batched_paged_attention, plan_batched_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine import workload  # noqa: E402  (bench/engine.py's prompts and answer lengths)
+from engine import workload, write_results  # noqa: E402  (bench/engine.py's prompts, answers, CSVs)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 FIELDS = ["threads", "step", "sequences", "query_tokens", "context_tokens", "repeats",
@@ -134,11 +133,7 @@ def main() -> None:
               f"contiguous {row['contiguous_ms_best']:.3f} ms (fastest; table "
               f"{100 * row['price_best']:+.0f}%, medians {100 * row['price_median']:+.0f}%)")
     if not args.quick:
-        RESULTS.mkdir(exist_ok=True)
-        with open(RESULTS / "table_price_cpu.csv", "w", newline="") as handle:
-            writer = csv.DictWriter(handle, fieldnames=FIELDS)
-            writer.writeheader()
-            writer.writerows(rows)
+        write_results("table_price_cpu.csv", FIELDS, rows)
 
 
 if __name__ == "__main__":
