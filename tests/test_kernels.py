@@ -500,6 +500,7 @@ from hypothesis import assume, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from minipaged.kernels import (  # noqa: E402
+    PIECE_ROWS,
     batched_paged_attention,
     plan_batched_attention,
     resolve_backend,
@@ -560,40 +561,64 @@ def test_batched_keeps_the_query_dtype_and_computes_in_fp32(dtype):
     assert_close(out, reference_paged_attention(query, layer, tables, seq_lens, starts), dtype)
 
 
-def test_plan_groups_decodes_together_and_longer_queries_by_powers_of_two():
-    query_lens = [1, 5, 1, 3, 8, 1, 2, 0]
-    contexts = [10, 5, 30, 9, 8, 2, 40, 7]
+def _pieces(group, starts):
+    """(sequence, first token, rows) of each piece of a group, read from its real rows."""
+    pieces = []
+    for tokens, valid in zip(group.tokens.tolist(), group.valid.tolist()):
+        real = [t for t, v in zip(tokens, valid) if v]
+        assert real == list(range(real[0], real[0] + len(real)))  # consecutive tokens
+        seq = int(torch.searchsorted(starts, real[0], right=True)) - 1
+        assert real[-1] < int(starts[seq + 1])  # all of one sequence
+        pieces.append((seq, real[0], len(real)))
+    return pieces
+
+
+def test_plan_cuts_longer_queries_into_pieces_and_keeps_decodes_apart():
+    query_lens = [1, 5, 1, 3, 80, 1, 2, 0]
+    contexts = [10, 5, 30, 9, 100, 2, 40, 7]
     _, _, tables, seq_lens, starts, _ = make_batch(contexts, query_lens, 4)
     plan = plan_batched_attention(tables, seq_lens, starts, block_size=4)
-    members = [sorted(query_lens[s] for s in _group_seqs(g, starts)) for g in plan.groups]
-    assert members == [[1, 1, 1], [2], [3], [5, 8]]  # the idle sequence is in no group
+    pieces = [_pieces(g, starts) for g in plan.groups]
+    assert sorted(seq for seq, _, _ in pieces[0]) == [0, 2, 5]  # the decodes, one group
+    longer = [p for group in pieces[1:] for p in group]
+    assert all(rows > 1 or query_lens[seq] > 1 for seq, _, rows in longer)
+    assert max(rows for _, _, rows in longer) == PIECE_ROWS
+    assert sorted(rows for seq, _, rows in longer if seq == 4) == [16, 32, 32]  # 80 cut in 3
+    tokens = sorted(t for group in pieces for _, first, rows in group
+                    for t in range(first, first + rows))
+    assert tokens == list(range(sum(query_lens)))  # every query token once; the idle in none
+
+
+def test_plan_masks_each_row_up_to_its_own_position_through_its_own_blocks():
+    query_lens = [1] * 6 + [70, 5, 33]
+    contexts = [3, 90, 17, 40, 64, 8, 70, 45, 200]
+    _, _, tables, seq_lens, starts, _ = make_batch(contexts, query_lens, 8)
+    plan = plan_batched_attention(tables, seq_lens, starts, block_size=8)
     for group in plan.groups:
-        rows = group.tokens[group.valid]
-        assert rows.numel() == rows.unique().numel()  # every real token once
-    assert sum(int(g.valid.sum()) for g in plan.groups) == sum(query_lens)
+        for row, (seq, first, rows) in enumerate(_pieces(group, starts)):
+            for r in range(rows):
+                position = contexts[seq] - query_lens[seq] + (first - int(starts[seq])) + r
+                allowed = group.mask[row, 0, r] == 0
+                assert allowed.nonzero().flatten().tolist() == list(range(position + 1))
+            needed = -(-(position + 1) // 8)  # the blocks the last row reads: the table's own
+            assert torch.equal(group.blocks[row, :needed], tables[seq, :needed].long())
 
 
-def test_plan_splits_decodes_by_context_and_gives_whole_prompts_the_causal_flag():
+def test_plan_splits_decodes_and_pieces_by_context_length():
     contexts = [30 + 23 * i for i in range(20)][::-1] + [12, 200, 40, 50, 60]
     query_lens = [1] * 20 + [12, 16, 40, 50, 60]
     query, layer, tables, seq_lens, starts, _ = make_batch(contexts, query_lens, 16,
                                                            dtype=torch.float32)
     plan = plan_batched_attention(tables, seq_lens, starts, block_size=16)
-    seqs = [_group_seqs(g, starts) for g in plan.groups]
+    seqs = [[seq for seq, _, _ in _pieces(g, starts)] for g in plan.groups]
     assert seqs[0] == sorted(range(10, 20), key=contexts.__getitem__)  # the 10 shortest
     assert seqs[1] == sorted(range(10), key=contexts.__getitem__)
-    assert sorted(map(sorted, seqs[2:])) == [[20], [21], [22, 23, 24]]
-    for group, members in zip(plan.groups, seqs):
-        fresh = all(contexts[s] == query_lens[s] > 1 for s in members)
-        assert group.causal == fresh and (group.mask is None) == fresh
+    # eight pieces of at most 32 rows; a piece's context ends at its last row
+    ends = [sorted(contexts[seq] - query_lens[seq] + first - int(starts[seq]) + rows
+                   for seq, first, rows in _pieces(g, starts)) for g in plan.groups[2:]]
+    assert ends == [[12, 32, 32, 32], [40, 50, 60, 200]]
     expected = reference_paged_attention(query, layer, tables, seq_lens, starts)
     assert_close(batched_paged_attention(query, layer, plan), expected, torch.float32)
-
-
-def _group_seqs(group, starts):
-    """The sequences of a group, found from the first token of each of its rows."""
-    return [int(torch.searchsorted(starts, group.tokens[i, 0], right=True)) - 1
-            for i in range(group.tokens.shape[0])]
 
 
 def test_a_plan_serves_every_layer_of_the_step():
