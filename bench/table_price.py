@@ -11,7 +11,17 @@ is where the keys and values come from:
   tensor per group, as if each sequence's keys and values had been stored in a row of their own
   (a reservation); the layer only attends.
 
-So the difference is the table's price on this path: the gathers. Two steps, taken from
+So the difference is the table's price on this path: the gathers. A third side splits that price
+in two:
+
+* **paged, kept buffers**: the same gathers through the same table, written with
+  ``index_select(..., out=)`` into buffers allocated once, before the timing, then the same
+  attention. A gather that allocates its output afresh, as the engine's does, also pays for the
+  operating system to hand it new pages (each first touch of a page of a freshly mapped buffer is
+  a page fault); this side does not, so "paged" minus "kept" is the price of allocating, and
+  "kept" minus "contiguous" the price of copying through the table.
+
+Two steps, taken from
 bench/engine.py's workload: a *decode step* (its 32 sequences, each one token past its prompt
 and half its answer) and a *mixed step* (half of them decoding, half bringing a 32-token chunk
 on top of their prompt). Each side runs once to warm up, then ``--repeats`` times, the two taking
@@ -40,7 +50,7 @@ from engine import workload, write_results  # noqa: E402  (bench/engine.py's pro
 RESULTS = Path(__file__).resolve().parent / "results"
 FIELDS = ["threads", "step", "sequences", "query_tokens", "context_tokens", "repeats",
           "paged_ms_best", "contiguous_ms_best", "paged_ms_median", "contiguous_ms_median",
-          "price_best", "price_median"]
+          "price_best", "price_median", "kept_ms_best", "kept_ms_median", "copy_price_median"]
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 14, 2, 64, 16
 
 
@@ -79,13 +89,25 @@ def contiguous_attention(query, stored, plan, scale=None) -> torch.Tensor:
                                                  scale=scale).view(num_seqs, 1, -1, head_dim)
         else:
             out = F.scaled_dot_product_attention(rows.transpose(1, 2), keys, values,
-                                                 attn_mask=group.mask, is_causal=group.causal,
-                                                 scale=scale, enable_gqa=True).transpose(1, 2)
+                                                 attn_mask=group.mask, scale=scale,
+                                                 enable_gqa=True).transpose(1, 2)
         out = out.reshape(-1, *out.shape[2:])
         if len(group.real_rows) < len(out):
             out = out.index_select(0, group.real_rows)
         output.index_copy_(0, group.real_tokens, out.to(query.dtype))
     return output
+
+
+def gather_into(layer, plan, buffers) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """_gather_group's keys and values, written into buffers kept from call to call."""
+    gathered = []
+    for group, halves in zip(plan.groups, buffers):
+        ids, (num_seqs, num_blocks) = group.blocks.reshape(-1), group.blocks.shape
+        for half, buffer in enumerate(halves):
+            torch.index_select(layer[:, half], 0, ids, out=buffer)
+        gathered.append(tuple(b.view(num_seqs, num_blocks * BLOCK_SIZE, -1, HEAD_DIM)
+                              .transpose(1, 2) for b in halves))
+    return gathered
 
 
 def measure(threads: int, repeats: int) -> list[dict]:
@@ -96,9 +118,14 @@ def measure(threads: int, repeats: int) -> list[dict]:
         plan = plan_batched_attention(tables, lens, starts, BLOCK_SIZE)
         stored = [tuple(t.clone() for t in _gather_group(layer, g.blocks, HEAD_DIM))
                   for g in plan.groups]  # the twin's cache: the gather's layout, kept
+        buffers = [tuple(torch.empty(g.blocks.numel(), BLOCK_SIZE, layer.shape[3])
+                         for _ in range(2)) for g in plan.groups]
         sides = {"paged": lambda q=query, c=layer, p=plan: batched_paged_attention(q, c, p),
+                 "kept": lambda q=query, c=layer, p=plan, b=buffers:
+                     contiguous_attention(q, gather_into(c, p, b), p),
                  "contiguous": lambda q=query, s=stored, p=plan: contiguous_attention(q, s, p)}
         assert torch.allclose(sides["paged"](), sides["contiguous"](), atol=1e-5)
+        assert torch.allclose(sides["kept"](), sides["contiguous"](), atol=1e-5)
         times = {name: [] for name in sides}
         for round_ in range(repeats):
             for name in (list(sides) if round_ % 2 == 0 else list(sides)[::-1]):
@@ -115,7 +142,10 @@ def measure(threads: int, repeats: int) -> list[dict]:
                          paged_ms_median=round(median["paged"], 4),
                          contiguous_ms_median=round(median["contiguous"], 4),
                          price_best=round(best["paged"] / best["contiguous"] - 1, 4),
-                         price_median=round(median["paged"] / median["contiguous"] - 1, 4)))
+                         price_median=round(median["paged"] / median["contiguous"] - 1, 4),
+                         kept_ms_best=round(best["kept"], 4),
+                         kept_ms_median=round(median["kept"], 4),
+                         copy_price_median=round(median["kept"] / median["contiguous"] - 1, 4)))
     return rows
 
 
@@ -130,8 +160,10 @@ def main() -> None:
     for row in rows:
         print(f"{row['threads']} thr {row['step']:6} {row['sequences']} seqs, "
               f"{row['query_tokens']} query tokens: paged {row['paged_ms_best']:.3f} ms, "
-              f"contiguous {row['contiguous_ms_best']:.3f} ms (fastest; table "
-              f"{100 * row['price_best']:+.0f}%, medians {100 * row['price_median']:+.0f}%)")
+              f"kept buffers {row['kept_ms_best']:.3f} ms, contiguous "
+              f"{row['contiguous_ms_best']:.3f} ms (fastest; table "
+              f"{100 * row['price_best']:+.0f}%, medians {100 * row['price_median']:+.0f}%, "
+              f"of which copying {100 * row['copy_price_median']:+.0f}%)")
     if not args.quick:
         write_results("table_price_cpu.csv", FIELDS, rows)
 
