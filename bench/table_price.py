@@ -16,17 +16,24 @@ in two:
 
 * **paged, kept buffers**: the same gathers through the same table, written with
   ``index_select(..., out=)`` into buffers allocated once, before the timing, then the same
-  attention. A gather that allocates its output afresh, as the engine's does, also pays for the
-  operating system to hand it new pages (each first touch of a page of a freshly mapped buffer is
-  a page fault); this side does not, so "paged" minus "kept" is the price of allocating, and
-  "kept" minus "contiguous" the price of copying through the table.
+  attention. So "kept" minus "contiguous" is the price of copying through the table, and "paged"
+  minus "kept" the price of the gathers' fresh output buffers.
 
-Two steps, taken from
-bench/engine.py's workload: a *decode step* (its 32 sequences, each one token past its prompt
-and half its answer) and a *mixed step* (half of them decoding, half bringing a 32-token chunk
-on top of their prompt). Each side runs once to warm up, then ``--repeats`` times, the two taking
-turns and the order reversed every other round; fastest and median are kept, at 1 and 2 threads.
-Timings are reported, never asserted; the two outputs are checked equal.
+Fresh buffers cost what the memory allocator makes them cost. glibc's ``malloc`` maps a large
+block (above its threshold, 128 KiB to start with) straight from the operating system and unmaps
+it when it is freed, so every first write to each of its pages is a page fault; after it has
+freed a mapped block it raises the threshold to that block's size, and blocks below the new
+threshold are then recycled from its heap. So the same gather costs more early in a process than
+after larger blocks have come and gone. The script measures three steps, in this order, each
+thread count in a fresh process of its own: a *decode step* (bench/engine.py's 32 sequences, each
+one token past its prompt and half its answer), a *mixed step* (half of them decoding, half
+bringing a 32-token chunk on top of their prompt), and the same decode step again, *after the
+mixed step* has allocated and freed its larger buffers. In the engine the prompts' steps come
+first, so its decode steps meet the allocator in that later state.
+
+Each side runs once to warm up, then ``--repeats`` times, the sides taking turns and the order
+reversed every other round; fastest and median are kept. Timings are reported, never asserted;
+the outputs are checked equal.
 
     python bench/table_price.py          # writes bench/results/table_price_cpu.csv
     python bench/table_price.py --quick  # 3 repeats at 1 thread, no CSV
@@ -34,7 +41,9 @@ Timings are reported, never asserted; the two outputs are checked equal.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -113,7 +122,8 @@ def gather_into(layer, plan, buffers) -> list[tuple[torch.Tensor, torch.Tensor]]
 def measure(threads: int, repeats: int) -> list[dict]:
     torch.set_num_threads(threads)
     rows = []
-    for kind in ("decode", "mixed"):
+    for step_name, kind in (("decode", "decode"), ("mixed", "mixed"),
+                            ("decode, after the mixed step", "decode")):
         query, layer, tables, lens, starts, context = step(kind)
         plan = plan_batched_attention(tables, lens, starts, BLOCK_SIZE)
         stored = [tuple(t.clone() for t in _gather_group(layer, g.blocks, HEAD_DIM))
@@ -135,7 +145,7 @@ def measure(threads: int, repeats: int) -> list[dict]:
                 times[name].append((time.perf_counter() - start) / 5 * 1e3)
         best = {n: min(t) for n, t in times.items()}
         median = {n: statistics.median(t) for n, t in times.items()}
-        rows.append(dict(threads=threads, step=kind, sequences=len(lens),
+        rows.append(dict(threads=threads, step=step_name, sequences=len(lens),
                          query_tokens=query.shape[0], context_tokens=context, repeats=repeats,
                          paged_ms_best=round(best["paged"], 4),
                          contiguous_ms_best=round(best["contiguous"], 4),
@@ -154,11 +164,21 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="3 repeats, 1 thread, no CSV")
     parser.add_argument("--repeats", type=int, default=21)
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--one-process", action="store_true",
+                        help="measure the first thread count here and print the rows as JSON")
     args = parser.parse_args()
     repeats, threads = (3, [1]) if args.quick else (args.repeats, args.threads)
-    rows = [row for n in threads for row in measure(n, repeats)]
+    if args.one_process:
+        print(json.dumps(measure(threads[0], repeats)))
+        return
+    rows = []
+    for n in threads:  # each thread count in a fresh process: the allocator starts anew
+        run = subprocess.run([sys.executable, __file__, "--one-process", "--threads", str(n),
+                              "--repeats", str(repeats)], capture_output=True, text=True,
+                             check=True)
+        rows += json.loads(run.stdout.strip().splitlines()[-1])
     for row in rows:
-        print(f"{row['threads']} thr {row['step']:6} {row['sequences']} seqs, "
+        print(f"{row['threads']} thr {row['step']:28} {row['sequences']} seqs, "
               f"{row['query_tokens']} query tokens: paged {row['paged_ms_best']:.3f} ms, "
               f"kept buffers {row['kept_ms_best']:.3f} ms, contiguous "
               f"{row['contiguous_ms_best']:.3f} ms (fastest; table "
