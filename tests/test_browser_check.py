@@ -37,6 +37,8 @@ CLEAN = {
     "link": '<a href="../index.html#top">home</a>',
     "code": '<div class="cell_input"><pre>x = 1</pre></div>',
     "alt": "",
+    "map": '<div class="admonition"><div style="overflow-x: auto"><table><tr><td>minipaged</td>'
+           '<td>vLLM</td></tr></table></div></div>',
 }
 # defect: (what replaces the clean part, words the report must contain)
 PLANTED = {
@@ -52,6 +54,9 @@ PLANTED = {
              + "x = 1; " * 40 + "</pre></div>", "code cell(s) wider than the page"),
     "alt": ('<img src="../_images/plot.png" alt="0f3a9c2b7d1e4a5b6c7d8e9f">', "without alt text"),
     "directive": ('<div class="cell_input"><pre>#| export\nx = 1</pre></div>', "#| lines"),
+    "map": ('<div class="admonition"><div style="overflow-x: auto"><table><tr>'
+            '<td style="white-space: nowrap">' + "vllm/v1/core/kv_cache_utils.py " * 12
+            + "</td></tr></table></div></div>", "table wider than the text column"),
 }
 
 
@@ -87,7 +92,7 @@ def chapter(number: int, **parts) -> str:
     return f"""<html><head>
 <style>article {{ width: 600px; }}</style>{body['script']}</head><body><article>
 <section id="demo"><h1>{number}. Demo</h1>{colab}{body['image']}{body['math']}{body['link']}
-{body['code']}{body['alt']}{body['player']}
+{body['code']}{body['alt']}{body['player']}{body['map']}
 <section id="what-we-measured"><h2>What we measured</h2>{body['table']}</section>
 </section></article></body></html>"""
 

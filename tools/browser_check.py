@@ -12,6 +12,8 @@ other host blocked, so the book is read as it would be offline. A page fails on:
 - a console error, an uncaught exception, or a failed request to the book's own files;
 - a chapter page without its Colab link (to the chapter's own notebook);
 - a code cell wider than the page at 1280 px, or a chapter code line over 100 columns;
+- any other table of a chapter (a vLLM map, say) wider than the box that holds it, so that part
+  of it hides behind a sideways scroll;
 - an image without real alt text (none, or an image hash);
 - a code cell that shows its `#| export` line (book/_static/minipaged.js hides them);
 - a broken internal link (to a page or file that is not in the build, or to a missing anchor);
@@ -113,6 +115,10 @@ async () => {
     directivesShown: Array.from(document.querySelectorAll(".cell_input pre"))
       .filter(pre => /^\s*#\|/.test(pre.textContent)).length,
     wideCode: overflowing(".cell_input pre"),
+    wideTables: Array.from(document.querySelectorAll("article table"))
+      .filter(t => !t.closest(".cell_input") && t.parentElement
+                   && t.scrollWidth > t.parentElement.clientWidth + 1)
+      .map(t => t.textContent.trim().replace(/\s+/g, " ").slice(0, 60)),
     outputs: document.querySelectorAll(".cell_output pre").length,
     wideOutputs: overflowing(".cell_output pre"),
   };
@@ -273,6 +279,8 @@ def check_page(page, base: str, path: str, screenshots: Path | None,
         report.problems.append(
             f"{result['wideCode']} code cell(s) wider than the page at {WIDTH} px")
     if chapter:
+        report.problems += [f"table wider than the text column at {WIDTH} px: {text!r}"
+                            for text in result["wideTables"]]
         notebook = Path(path).with_suffix(".ipynb").name
         if not any(notebook in href for href in result["colab"]):
             report.problems.append(f"no Colab link to {notebook}")
