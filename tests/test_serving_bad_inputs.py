@@ -1,0 +1,431 @@
+"""Issue 46: chapter 13's serving functions and the step players refuse bad input by name,
+before anything changes, and never hang; a refused call leaves a live engine to finish its
+earlier requests with the same answers."""
+import importlib
+import pkgutil
+import signal
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+import minipaged
+from minipaged.blocks import BlockPool, BlockTable
+from minipaged.engine import LLMEngine
+from minipaged.engine_player import EngineRecorder
+from minipaged.memory import QWEN2_5_0_5B, ModelShape
+from minipaged.model import ModelConfig, random_model
+from minipaged.player import StepRecorder, StepState, show_steps
+from minipaged.sampling import SamplingParams
+from minipaged.scheduler import KVCacheManager, Request
+from minipaged.serving import (
+    OracleReservationManager,
+    ReservationManager,
+    ReservingScheduler,
+    SimulatedEngine,
+    StepCost,
+    Trace,
+    arrival_times,
+    make_trace,
+    request_metrics,
+    run_summary,
+    serve,
+    sustained_rate,
+)
+
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.fixture(autouse=True)
+def no_hang():
+    """Each test here fails, instead of hanging, after 60 s (serve once looped forever)."""
+    def hung(signum, frame):
+        raise TimeoutError("the call did not return in 60 s")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(60)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
+
+
+def engine():
+    return SimulatedEngine(64, 16, 256)
+
+
+def trace(arrivals=(0.0, 1.0), prompts=(4, 4), outputs=(3, 3)):
+    return Trace(np.array(arrivals), np.array(prompts), np.array(outputs))
+
+
+def small_trace():
+    return make_trace(4, 2.0, max_model_len=256, median=20, mean=30)
+
+
+# --- traces: columns that agree, finite times in order, whole lengths of a token or more ---
+@pytest.mark.parametrize(("field", "call"), [
+    ("arrival_times", lambda: trace((0.0, NAN))),
+    ("arrival_times", lambda: trace((0.0, INF))),
+    ("arrival_times", lambda: trace((1.0, 0.0))),
+    ("arrival_times", lambda: trace((-1.0, 0.0))),
+    ("arrival_times", lambda: trace((), (), ())),
+    ("arrival_times", lambda: Trace("0 1", np.array([4, 4]), np.array([3, 3]))),
+    ("arrival_times", lambda: Trace(np.zeros((2, 1)), np.array([4, 4]), np.array([3, 3]))),
+    ("prompt_lens", lambda: trace((0.0, 1.0, 2.0))),  # 3 arrivals, 2 lengths
+    ("prompt_lens", lambda: trace((0.0, 1.0), (4, 4, 4), (3, 3, 3))),
+    ("prompt_lens", lambda: trace(prompts=(0, 4))),
+    ("prompt_lens", lambda: trace(prompts=(4.0, 4.0))),
+    ("prompt_lens", lambda: trace(prompts=(True, True))),
+    ("output_lens", lambda: trace(outputs=(3, -1))),
+    ("output_lens", lambda: trace(outputs=(3,))),
+    ("output_lens", lambda: trace(outputs=(2.5, 3.0))),
+])
+def test_a_trace_is_checked_when_made(field, call):
+    with pytest.raises(ValueError, match=field):
+        call()
+
+
+def test_a_trace_takes_lists_and_keeps_arrays():
+    made = Trace([0, 1], [4, 4], [3, 3])
+    assert made.arrival_times.dtype == float and made.prompt_lens.dtype.kind == "i"
+    assert len(made) == 2
+
+
+@pytest.mark.parametrize(("rate", "burstiness"), [(1e-320, 1.0), (1.0, 1e-320), (5e-324, 1.0)])
+def test_arrival_times_too_spread_for_a_float_are_refused(rate, burstiness):
+    with pytest.raises(ValueError, match="rate"):
+        arrival_times(5, rate, burstiness)
+
+
+# --- serve: a step's time, a busy engine, a prompt past the limit; never a hang ---
+def test_serve_refuses_an_arrival_changed_to_nan_after_the_trace_was_made():
+    made = trace()
+    made.arrival_times[1] = NAN  # the arrays stay writable: serve checks them again
+    with pytest.raises(ValueError, match="arrival_times"):
+        serve(engine(), made, lambda out: 0.1)
+
+
+@pytest.mark.parametrize("took", [-1.0, NAN, INF, "0.1", None, True])
+def test_a_step_time_that_is_not_finite_and_non_negative_is_refused_at_that_step(took):
+    with pytest.raises(ValueError, match=r"step_seconds\(out\).*clock 0 s, 1 of 4 arrived"):
+        serve(engine(), small_trace(), lambda out: took)
+
+
+def test_a_clock_that_runs_backwards_is_refused():
+    readings = iter(range(10**6, 0, -1))
+    with pytest.raises(ValueError, match="clock"):
+        serve(engine(), small_trace(), clock=lambda: next(readings))
+
+
+def test_a_clock_that_stands_still_still_ends():
+    run = serve(engine(), small_trace(), clock=lambda: 0.0)  # every step took 0 s
+    assert all(run.token_times) and not run.step_seconds.any()
+
+
+@pytest.mark.parametrize(("field", "call"), [
+    ("clock", lambda: serve(engine(), small_trace(), clock=None)),
+    ("step_seconds", lambda: serve(engine(), small_trace(), step_seconds="fast")),
+    ("engine", lambda: serve(None, small_trace())),
+    ("engine", lambda: serve(BlockPool(8, 4), small_trace())),
+    ("trace", lambda: serve(engine(), [(0.0, 4, 3)])),
+    ("max_model_len", lambda: serve(SimulatedEngine(8, 4, 16), small_trace())),
+])
+def test_serve_refuses_its_arguments_by_name(field, call):
+    with pytest.raises(ValueError, match=field):
+        call()
+
+
+def test_serve_refuses_a_busy_engine_at_once_and_the_engine_finishes_its_own():
+    busy = engine()
+    busy.add_request("p0", [0] * 4, SamplingParams(max_tokens=3))
+    with pytest.raises(ValueError, match="engine still holds requests"):
+        serve(busy, small_trace(), lambda out: 0.1)
+    assert busy.num_steps == 0 and list(busy.requests) == ["p0"]
+    while busy.has_unfinished_requests():
+        busy.execute(busy.scheduler.schedule())
+    assert busy.num_steps == 3 and busy.pool.get_num_free_blocks() == busy.pool.num_blocks
+
+
+def test_a_run_served_after_every_refusal_matches_a_clean_one():
+    served = engine()
+    for bad in [lambda: serve(served, small_trace(), lambda out: -1.0),
+                lambda: serve(served, "trace")]:
+        with pytest.raises(ValueError):
+            bad()
+        while served.has_unfinished_requests():  # a step refused mid-run: finish it off
+            served.execute(served.scheduler.schedule())
+    assert served.pool.get_num_free_blocks() == served.pool.num_blocks and not served.requests
+    again = serve(served, small_trace(), lambda out: 0.1)
+    clean = serve(engine(), small_trace(), lambda out: 0.1)
+    assert again.token_times == clean.token_times
+
+
+@pytest.mark.parametrize("call", [lambda: request_metrics("run"), lambda: run_summary(None)])
+def test_the_metrics_read_a_serving_run_only(call):
+    with pytest.raises(ValueError, match="run must be a ServingRun"):
+        call()
+
+
+# --- sustained_rate: rates and latencies finite and positive, one latency per rate ---
+@pytest.mark.parametrize(("field", "rates", "latencies", "bound"), [
+    ("latencies", [1, 2, 3], [0.1, NAN, 0.4], 0.3),
+    ("latencies", [1, 2, 3], [0.1, -0.2, 0.4], 0.3),
+    ("latencies", [1, 2, 3], [0.1, 0.0, 0.4], 0.3),
+    ("latencies", [1, 2, 3], [0.1, INF, 0.4], 0.3),
+    ("rates", [1, NAN, 3], [0.1, 0.2, 0.4], 0.3),
+    ("rates", [-1, 2, 3], [0.1, 0.2, 0.4], 0.3),
+    ("rates", [[1, 2, 3]], [[0.1, 0.2, 0.4]], 0.3),
+    ("rates", [1, 2], [0.1, 0.2, 0.4], 0.3),
+    ("rates", [], [], 0.3),
+    ("rates", "123", [0.1, 0.2, 0.4], 0.3),
+    ("bound", [1, 2, 3], [0.1, 0.2, 0.4], NAN),
+])
+def test_sustained_rate_refuses_what_it_cannot_interpolate(field, rates, latencies, bound):
+    with pytest.raises(ValueError, match=field):
+        sustained_rate(rates, latencies, bound)
+
+
+# --- the simulated engine refuses what chapter 7's engine refuses, with its messages ---
+@pytest.fixture(scope="module")
+def real_engine():
+    model = random_model(ModelConfig.small(num_layers=1), seed=0, dtype=torch.float32,
+                         device="cpu")
+    return LLMEngine(model, 64, 16, 256)
+
+
+BAD_REQUESTS = [  # (request_id, prompt_token_ids, sampling_params)
+    ("a", [0] * 300, SamplingParams()),
+    ("a", [], SamplingParams()),
+    ("a", [0], None),
+    ("a", [0], {"max_tokens": 3}),
+    (7, [0], SamplingParams()),
+    ("a", "0 1", SamplingParams()),
+    ("a", 5, SamplingParams()),
+    ("a", [0.0, 1.0], SamplingParams()),
+    ("a", [True], SamplingParams()),
+    ("a", [-1], SamplingParams()),  # the simulated engine has no vocabulary: its bound is inf
+]
+
+
+@pytest.mark.parametrize("request_args", BAD_REQUESTS)
+def test_the_simulated_engine_refuses_a_request_as_the_real_one_does(real_engine, request_args):
+    with pytest.raises(ValueError) as real:
+        real_engine.add_request(*request_args)
+    simulated = engine()
+    with pytest.raises(ValueError) as ours:
+        simulated.add_request(*request_args)
+    bound = str(real_engine.config.vocab_size)
+    assert str(ours.value) == str(real.value).replace(bound, "inf")
+    assert not simulated.has_unfinished_requests() and not real_engine.has_unfinished_requests()
+
+
+def test_the_simulated_engine_refuses_a_live_id_and_n_above_one():
+    simulated = engine()
+    simulated.add_request("a", [0], SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="request_id 'a' is already in the engine"):
+        simulated.add_request("a", [0], SamplingParams())
+    with pytest.raises(ValueError, match="sampling_params.n must be 1"):
+        simulated.add_request("b", [0], SamplingParams(n=2))
+    assert list(simulated.requests) == ["a"]
+    while simulated.has_unfinished_requests():
+        simulated.execute(simulated.scheduler.schedule())
+    simulated.add_request("a", [0], SamplingParams())  # finished: its id is free again
+
+
+@pytest.mark.parametrize(("field", "options"), [
+    ("kv_cache_manager_cls", dict(kv_cache_manager_cls=int)),
+    ("kv_cache_manager_cls", dict(kv_cache_manager_cls=OracleReservationManager(BlockPool(4, 16)))),
+    ("scheduler_cls", dict(scheduler_cls=dict)),
+    ("kv_cache_manager", dict(scheduler_cls=ReservingScheduler)),  # the paged manager grows
+])
+def test_the_simulated_engine_refuses_parts_as_the_real_one_does(real_engine, field, options):
+    with pytest.raises(ValueError, match=field):
+        SimulatedEngine(64, 16, 256, **options)
+    if field.endswith("_cls"):
+        with pytest.raises(ValueError, match=field) as real:
+            LLMEngine(real_engine.model, 64, 16, 256, **options)
+        with pytest.raises(ValueError) as ours:
+            SimulatedEngine(64, 16, 256, **options)
+        assert str(ours.value) == str(real.value)
+
+
+def test_execute_and_a_step_cost_read_a_scheduler_output_only():
+    with pytest.raises(ValueError, match="out must be"):
+        engine().execute(None)
+    with pytest.raises(ValueError, match="out must be"):
+        StepCost(QWEN2_5_0_5B)([1, 2])
+
+
+@pytest.mark.parametrize(("field", "options"), [
+    ("shape", dict(shape="qwen")),
+    ("num_params", dict(shape=ModelShape("no count", 2, 2, 2, 8))),
+    ("host_seconds", dict(shape=QWEN2_5_0_5B, host_seconds=-1.0)),
+    ("host_seconds", dict(shape=QWEN2_5_0_5B, host_seconds=NAN)),
+    ("bytes_per_s", dict(shape=QWEN2_5_0_5B, bytes_per_s=0)),
+    ("flops_per_s", dict(shape=QWEN2_5_0_5B, flops_per_s=INF)),
+])
+def test_a_step_cost_is_checked_when_made(field, options):
+    with pytest.raises(ValueError, match=field):
+        StepCost(**options)
+
+
+# --- every manager in the package answers a successful allocation with a true value ---
+def package_managers() -> list[type]:
+    for module in pkgutil.iter_modules(minipaged.__path__):
+        if not module.name.startswith("exercises"):
+            importlib.import_module(f"minipaged.{module.name}")
+    found, todo = [], [KVCacheManager]
+    while todo:
+        cls = todo.pop()
+        todo += cls.__subclasses__()
+        if cls.__module__.startswith("minipaged.") and cls is not ReservationManager:
+            found.append(cls)
+    return sorted(set(found), key=lambda cls: cls.__qualname__)
+
+
+def test_the_package_has_the_managers_it_should():
+    names = {cls.__name__ for cls in package_managers()}
+    assert {"KVCacheManager", "PrefixCachingKVCacheManager", "OracleReservationManager",
+            "Pow2ReservationManager", "MaxReservationManager"} <= names
+
+
+@pytest.mark.parametrize("manager_cls", package_managers(), ids=lambda cls: cls.__name__)
+def test_every_manager_answers_success_with_a_true_value(manager_cls):
+    manager = manager_cls(manager_cls.pool_class(16, 4))
+    manager.max_model_len = 64  # the reservation managers' limit; the others ignore it
+    request = Request("r", list(range(6)), SamplingParams(max_tokens=4))
+    for computed, new in [(0, 6), (6, 1), (7, 1), (8, 1)]:  # admission, then decode steps
+        request.num_computed_tokens = computed
+        assert manager.allocate_slots(request, new), (computed, new)
+
+
+def test_an_oracle_decode_step_is_true():
+    manager = OracleReservationManager(BlockPool(8, 4))
+    manager.max_model_len = 32
+    request = Request("r", [0] * 3, SamplingParams(max_tokens=2))
+    assert len(manager.allocate_slots(request, 3)) == 2
+    request.num_computed_tokens = 3
+    assert manager.allocate_slots(request, 1)
+
+
+# --- the reservation engines' own RuntimeErrors, met only by a policy of the reader's ---
+def test_a_policy_that_reserves_too_little_outgrows_its_reservation():
+    class PromptOnly(ReservationManager):
+        def reservation_tokens(self, request):
+            return request.num_prompt_tokens
+
+    short = SimulatedEngine(8, 4, 16, kv_cache_manager_cls=PromptOnly,
+                            scheduler_cls=ReservingScheduler)
+    short.add_request("r", [0] * 4, SamplingParams(max_tokens=3))
+    with pytest.raises(RuntimeError, match="outgrew its reservation of 4 tokens"):
+        for _ in range(3):
+            short.execute(short.scheduler.schedule())
+    with pytest.raises(RuntimeError, match="never preempts"):
+        short.scheduler.preempt(short.requests["r"], None)
+
+
+# --- the players ---
+def test_a_recorder_refuses_a_table_of_another_larger_pool():
+    small, big = BlockPool(8, 4), BlockPool(32, 4)
+    table = BlockTable(big)
+    table.blocks += big.get_new_blocks(20)
+    recorder = StepRecorder(small, {"a": table})
+    with pytest.raises(ValueError, match=r"block_tables\['a'\] holds block 8"):
+        recorder.record()
+    assert recorder.trace == []
+
+
+@pytest.mark.parametrize(("field", "call"), [
+    ("pool", lambda: StepRecorder(None, {})),
+    ("block_tables", lambda: StepRecorder(BlockPool(4, 4), [])),
+    (r"block_tables\['a'\]", lambda: StepRecorder(BlockPool(4, 4), {"a": [1, 2]}).record()),
+    ("events", lambda: StepRecorder(BlockPool(4, 4), {}).record(3)),
+])
+def test_a_recorder_refuses_what_it_cannot_read(field, call):
+    with pytest.raises(ValueError, match=field):
+        call()
+
+
+def one_state(num_blocks=8, **fields) -> StepState:
+    state = StepRecorder(BlockPool(num_blocks, 4), {}).record()
+    return StepState(**{**state.__dict__, **fields})
+
+
+@pytest.mark.parametrize(("field", "call"), [
+    (r"trace\[0\] must be a StepState", lambda: show_steps([1, 2])),
+    ("trace must be a list", lambda: show_steps("steps")),
+    ("trace must be a list", lambda: show_steps(None)),
+    ("no step", lambda: show_steps([])),
+    ("one pool", lambda: show_steps([one_state(8), one_state(32)])),
+    (r"tables\['a'\] holds block 9", lambda: show_steps([one_state(tables={"a": (9,)})])),
+    ("free_queue", lambda: show_steps([one_state(free_queue=(0, -1))])),
+    ("not strings", lambda: show_steps([one_state(events=(1,))])),
+    ("more_tables", lambda: show_steps([one_state(more_tables={"host": {"x": (0,)}})])),
+    ("start", lambda: show_steps([one_state()], start=True)),
+    ("start", lambda: show_steps([one_state()], start=1)),
+    ("caption", lambda: show_steps([one_state()], caption=3)),
+    ("alt", lambda: show_steps([one_state()], alt=None)),
+])
+def test_a_player_refuses_a_trace_it_could_not_draw(field, call):
+    with pytest.raises(ValueError, match=field):
+        call()
+
+
+def test_a_trace_of_one_pool_is_drawn():
+    assert "<svg" in show_steps([one_state(), one_state()], start=1)._repr_html_()
+
+
+@pytest.mark.parametrize("not_an_engine", [None, "engine", SimulatedEngine(64, 16, 256)])
+def test_an_engine_recorder_needs_an_engine(not_an_engine):
+    with pytest.raises(ValueError, match="engine must be an LLMEngine"):
+        EngineRecorder(not_an_engine)
+
+
+@pytest.mark.parametrize("max_steps", [0, -1, 2.5, True, "3", None])
+def test_an_engine_recorder_refuses_a_step_count_and_its_engine_finishes(real_engine, max_steps):
+    real_engine.add_request("x", [1, 2, 3], SamplingParams(max_tokens=4))
+    recorder = EngineRecorder(real_engine)
+    with pytest.raises(ValueError, match="max_steps"):
+        recorder.run(max_steps=max_steps)
+    assert recorder.trace == [] and real_engine.requests["x"].num_computed_tokens == 0
+    recorder.run()
+    assert not real_engine.has_unfinished_requests()
+    assert real_engine.pool.get_num_free_blocks() == real_engine.pool.num_blocks
+
+
+def test_a_refused_request_leaves_the_real_engine_to_give_the_same_answer(real_engine):
+    def answer(refuse: bool) -> list[int]:
+        request = real_engine.add_request("same", [1, 2, 3], SamplingParams(max_tokens=5))
+        if refuse:
+            for args in BAD_REQUESTS:
+                with pytest.raises(ValueError):
+                    real_engine.add_request(*args)
+            with pytest.raises(ValueError):
+                EngineRecorder(real_engine).run(max_steps=0)
+        while real_engine.has_unfinished_requests():
+            real_engine.step()
+        return list(request.output_token_ids)
+
+    assert answer(refuse=True) == answer(refuse=False)
+    assert real_engine.pool.get_num_free_blocks() == real_engine.pool.num_blocks
+
+
+# --- chapter 11's swap_space, checked as asked (vLLM 0.10.2) before the pool is capped ---
+def test_an_absurd_swap_space_is_refused_even_though_the_cap_would_hide_it():
+    from minipaged.llm import LLM
+    with pytest.raises(ValueError, match="Too large swap space: swap_space=1000000 GiB"):
+        LLM(max_model_len=64, num_gpu_blocks_override=8, preemption_mode="swap",
+            swap_space=10**6)
+
+
+def test_swap_space_is_refused_above_70_and_warned_above_40_percent(monkeypatch):
+    import minipaged.swap
+    from minipaged.memory import GiB
+    monkeypatch.setattr(minipaged.swap, "host_memory_bytes", lambda: 10 * GiB)
+    with pytest.raises(ValueError, match="Too large swap space.*71%"):
+        minipaged.swap.check_swap_space(7.1)
+    with pytest.warns(UserWarning, match="Possibly too large swap space.*70%"):
+        assert minipaged.swap.check_swap_space(7) == 7.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert minipaged.swap.check_swap_space(4) == 4.0
