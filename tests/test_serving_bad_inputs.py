@@ -11,6 +11,9 @@ import pytest
 import torch
 
 import minipaged
+from minipaged import engine_player as EP
+from minipaged import player as P
+from minipaged import serving as S
 from minipaged.blocks import BlockPool, BlockTable
 from minipaged.engine import LLMEngine
 from minipaged.engine_player import EngineRecorder
@@ -429,3 +432,46 @@ def test_swap_space_is_refused_above_70_and_warned_above_40_percent(monkeypatch)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert minipaged.swap.check_swap_space(4) == 4.0
+
+
+# --- what a wider sweep (every public name, one bad value at a time) found besides ---
+@pytest.mark.parametrize(("field", "call"), [
+    ("pool", lambda: OracleReservationManager(None)),
+    ("pool", lambda: OracleReservationManager(64)),
+    ("num_gpu_blocks", lambda: S.SimulatedEngine(10**30, 16, 256)),  # once a hang
+    ("max_model_len", lambda: make_trace(3, 1.0, max_model_len=10**30)),
+    ("num_requests", lambda: arrival_times(10**30, 1.0)),
+    ("max_num_seqs", lambda: ReservingScheduler(OracleReservationManager(BlockPool(8, 4)),
+                                                max_num_seqs=0)),
+    ("max_num_batched_tokens", lambda: ReservingScheduler(
+        OracleReservationManager(BlockPool(8, 4)), max_num_batched_tokens="many")),
+    ("clock", lambda: serve(engine(), small_trace(), clock=lambda: None)),
+    ("clock", lambda: serve(engine(), small_trace(), clock=lambda: NAN)),
+    ("events", lambda: StepRecorder(BlockPool(4, 4), {}).read(None)),
+    ("state", lambda: P.describe(None)),
+    ("state", lambda: P.draw_state("state", {})),
+    ("state", lambda: P.owners(3)),
+    ("before", lambda: P.table_changes(None, one_state())),
+    (r"trace\[0\]", lambda: P.request_colours([1])),
+    ("trace", lambda: P.request_colours("ab")),
+    ("before", lambda: EP.request_changes([1])),
+    ("before", lambda: EngineRecorder_changes({})),
+])
+def test_the_sweep_s_findings_are_refused_by_name(field, call):
+    with pytest.raises(ValueError, match=field):
+        call()
+
+
+def EngineRecorder_changes(before):
+    model = random_model(ModelConfig.small(num_layers=1), seed=0, dtype=torch.float32,
+                         device="cpu")
+    return EngineRecorder(LLMEngine(model, 64, 16, 256)).changes(before)
+
+
+def test_a_pool_block_costs_the_host_no_more_than_the_simulated_engine_counts():
+    import tracemalloc
+    tracemalloc.start()
+    BlockPool(20_000, 16)
+    used = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    assert used / 20_000 <= S.POOL_BYTES_PER_BLOCK
