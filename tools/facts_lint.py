@@ -21,7 +21,8 @@ on a line about block sizes. Each finding names the owner (module:symbol and its
 ALLOWED lists the few places where such a line is input data or the owner's own words.
 
     python tools/facts_lint.py            # the tree; exit status 1 when anything is found
-    python tools/facts_lint.py --root DIR # another checkout (the planted-defect tests)
+    python tools/facts_lint.py --root DIR # another tree against this checkout's owners (the
+                                          # planted-defect tests)
 """
 from __future__ import annotations
 
@@ -41,6 +42,10 @@ COUNTED = re.compile(r"\b(\w+)\s+(?:\w+\s+)?(?:engines|baselines)\b")
 COUNTS = {"two": 2, "three": 3, "four": 4, "five": 5, "six": 6, "seven": 7, "eight": 8,
           "nine": 9, "ten": 10}
 SKIPPED_OPTIONS = {"model", "seed"}  # a model name and a seed: input data wherever they appear
+# Files another issue is rewriting: their findings are printed, marked, and fail nothing until it
+# lands (then the entry goes). Issue 44 makes chapter 13 iterate SERVING_ENGINES.
+PENDING = {"chapters/13_serving_under_load.md": "issue 44",
+           "tests/test_serving.py": "issue 44"}
 # (path, text the line contains, why it stays): the owner's own words, or input data that happens
 # to equal a fact. Kept short; a new entry needs its reason.
 ALLOWED = [
@@ -149,8 +154,9 @@ class Facts:
             default = field.default
             if field.name in SKIPPED_OPTIONS or not isinstance(default, (bool, int, float, str)):
                 continue
-            home = ("frontend", "FrontEndArgs") if field.name in {
-                f.name for f in dataclasses.fields(frontend.FrontEndArgs)} else ("llm", "EngineArgs")
+            chapter_7 = {f.name for f in dataclasses.fields(frontend.FrontEndArgs)}
+            home = ("frontend", "FrontEndArgs") if field.name in chapter_7 else (
+                "llm", "EngineArgs")
             place = chapter_line(root, home[0], rf"^    {field.name}: .* = ")
             options[field.name] = (default, Owner(
                 "option", f"minipaged.{home[0]}:{home[1]}.{field.name}", place))
@@ -400,12 +406,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     root = args.root.resolve()
     sys.path.insert(0, str(ROOT))
-    findings = scan(root)
+    findings = scan(root, Facts.read(ROOT))  # the owners: the package this checkout imports
+    failing = [finding for finding in findings if finding.path not in PENDING]
     for finding in findings:
-        print(finding)
+        pending = PENDING.get(finding.path)
+        print(f"{finding} (pending: {pending} rewrites this file)" if pending else finding)
     if findings:
-        print(f"facts_lint: {len(findings)} restated facts", file=sys.stderr)
-    return 1 if findings else 0
+        print(f"facts_lint: {len(failing)} restated facts"
+              + (f", {len(findings) - len(failing)} more pending" if failing != findings else ""),
+              file=sys.stderr)
+    return 1 if failing else 0
 
 
 if __name__ == "__main__":
