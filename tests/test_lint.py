@@ -148,6 +148,8 @@ def planted(facts) -> dict[str, tuple[str, str, str]]:
                                           f"{seqs}\n", "    assert", "FrontEndArgs.max_num_seqs"),
         "tests/test_planted_figure.py": (f'def test(STUDY):\n    assert STUDY["{figure}"] == '
                                          f"{value!r}\n", "    assert", f"STUDY[{figure!r}]"),
+        "tests/test_planted_record.py": (f'record(path, {{"{figure}": {value!r}}})\n', "record",
+                                         f"STUDY[{figure!r}]"),
         "chapters/99_planted_figure.md": (f"The study counted {value:,} of them.\n", "The study",
                                           f"STUDY[{figure!r}]"),
         "tests/test_planted_sizes.py": (f"SIZES = {sizes}\n", "SIZES", "MAX_BLOCK_SIZE"),
