@@ -144,6 +144,8 @@ def planted(facts) -> dict[str, tuple[str, str, str]]:
                                             "def make", "FrontEndArgs.block_size"),
         "README.md": (f"Set `gpu_memory_utilization` (default {gmu}) to share the card.\n",
                       "Set", "FrontEndArgs.gpu_memory_utilization"),
+        "chapters/99_planted_share.md": (f"A demo has no use for {gmu:.0%} of the card.\n",
+                                         "A demo", "FrontEndArgs.gpu_memory_utilization"),
         "tests/test_planted_compare.py": (f"def test(args):\n    assert args.max_num_seqs == "
                                           f"{seqs}\n", "    assert", "FrontEndArgs.max_num_seqs"),
         "tests/test_planted_figure.py": (f'def test(STUDY):\n    assert STUDY["{figure}"] == '

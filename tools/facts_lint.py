@@ -124,6 +124,9 @@ class Facts:
                            rf"(?![\w]|[.,]\d)")
             else:  # a name or a flag is a choice unless the line calls it the default
                 pattern = rf"\b{name}\b[^\n]{{0,60}}?\bdefaults?\b[^\n]{{0,30}}?\b(?:{values})\b"
+            if numeric(default) and 0 < default < 1:  # a share of the card: "90% of the card"
+                pattern += (rf"|(?<![\w.]){default * 100:g}\s?%\s+of\s+(?:the\s+)?(?:card|GPU|"
+                            rf"device|memory)")
             self.option_words[name] = re.compile(pattern)
         names = "|".join(re.escape(name) for name in self.engines)
         self.engine_word = re.compile(rf"(?<![\w\"'])(?:{names})(?![\w\"'])")
@@ -335,7 +338,7 @@ class CodeCheck(ast.NodeVisitor):
 def words(facts: Facts, text: str, report, prose: bool, options: bool = True) -> None:
     """The forms of a restated fact in one line of words (prose, or a string in code)."""
     for name, (default, owner) in facts.options.items() if options else ():
-        if name in text and facts.option_words[name].search(text):
+        if (name in text or "%" in text) and facts.option_words[name].search(text):
             report(f"the default {name}={default!r}", owner)
     named = facts.engine_word.findall(text) if prose else []
     if len(set(named)) >= 3:
