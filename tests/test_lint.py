@@ -135,6 +135,9 @@ def planted(facts) -> dict[str, tuple[str, str, str]]:
                                   f"{names[-1]}.\n", "We compare", "SERVING_ENGINES"),
         "chapters/99_planted_count.md": (f"The {count} serving engines differ.\n", "The",
                                          "SERVING_ENGINES"),
+        "chapters/99_planted_caption.md": ("```{code-cell} ipython3\n---\nmystnb:\n  figure:\n"
+                                           f"    alt: {count.title()} rows, one per engine.\n"
+                                           "---\nx = 1\n```\n", "    alt:", "SERVING_ENGINES"),
         "tools/planted_fallback.py": (f"def f(options):\n    return options.get("
                                       f"'gpu_memory_utilization', {gmu})\n", "    return",
                                       "FrontEndArgs.gpu_memory_utilization"),

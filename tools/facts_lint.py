@@ -38,9 +38,11 @@ SCANNED = ["chapters/*.md", "tests/**/*.py", "bench/**/*.py", "tools/*.py", "sol
            "README.md", "CONTRIBUTING.md", "book/*.md"]
 MARKER = re.compile(r"^# (chapters/\S+\.md):(\d+)$")
 FENCE = re.compile(r"^(```+|~~~+)")
-COUNTED = re.compile(r"\b(\w+)\s+(?:\w+\s+)?(?:engines|baselines)\b")
 COUNTS = {"two": 2, "three": 3, "four": 4, "five": 5, "six": 6, "seven": 7, "eight": 8,
           "nine": 9, "ten": 10}
+NUMBER = rf"\b({'|'.join(COUNTS)}|\d+)\b"
+COUNTED = re.compile(rf"{NUMBER}\s+(?:\w+\s+)?(?:engines|baselines)\b", re.I)
+PER_ENGINE = re.compile(rf"{NUMBER}[^.;]{{0,40}}?\bone (?:per|for each|an?) engine\b", re.I)
 SKIPPED_OPTIONS = {"model", "seed"}  # a model name and a seed: input data wherever they appear
 # Files another issue is rewriting: their findings are printed, marked, and fail nothing until it
 # lands (then the entry goes). Issue 44 makes chapter 13 iterate SERVING_ENGINES.
@@ -203,7 +205,10 @@ def pieces(path: Path, text: str) -> tuple[list[tuple[int, str]], list[tuple[int
                 header = not header
                 block.append("")
                 continue
-            block.append("" if header or line.startswith((":", "%", "!")) else line)
+            words_only = header or line.startswith((":", "%", "!"))
+            block.append("" if words_only else line)
+            if words_only:  # a caption or alt text in the cell's header is read as prose
+                prose.append((number, line))
         else:
             prose.append((number, line))
     return code, prose
@@ -326,8 +331,7 @@ class CodeCheck(ast.NodeVisitor):
             self.report(node.lineno, f"a list of engine names {names}",
                         self.facts.engines[names[0]])
         sizes = self.facts.block_sizes
-        if (len(items) >= 4 and all(isinstance(item, int) and item in sizes for item in items)
-                and sizes[-1] in items):
+        if len(items) >= 4 and items == list(sizes[-len(items):]):  # a run up to the largest
             self.report(node.lineno, f"the block sizes the kernels serve {items}",
                         self.facts.block_owner)
         self.generic_visit(node)
@@ -335,7 +339,8 @@ class CodeCheck(ast.NodeVisitor):
     visit_List = visit_Tuple = visit_Set = sequence
 
 
-def words(facts: Facts, text: str, report, prose: bool, options: bool = True) -> None:
+def words(facts: Facts, text: str, report, prose: bool, options: bool = True,
+          serving: bool = False) -> None:
     """The forms of a restated fact in one line of words (prose, or a string in code)."""
     for name, (default, owner) in facts.options.items() if options else ():
         if (name in text or "%" in text) and facts.option_words[name].search(text):
@@ -344,10 +349,12 @@ def words(facts: Facts, text: str, report, prose: bool, options: bool = True) ->
     if len(set(named)) >= 3:
         report(f"the engines' names {sorted(set(named), key=named.index)} listed",
                facts.engines[named[0]])
-    if "engines" in text or "baselines" in text:
-        for match in COUNTED.finditer(text):
+    if "engine" in text or "baselines" in text:
+        # "the four engines' curves" (on a page about serving), "four rows, one per engine"
+        for match in [*COUNTED.finditer(text), *PER_ENGINE.finditer(text)]:
             count = COUNTS.get(match[1].lower()) or (int(match[1]) if match[1].isdigit() else 0)
-            if count in facts.counts and re.search(r"reserv|serving|SERVING", text):
+            if count in facts.counts and (serving or match.re is PER_ENGINE or re.search(
+                    r"reserv|serving|SERVING", text)):
                 report(f"the count of engines ({match[0]!r})", facts.counts[count])
     for match in facts.figure_number.finditer(text):
         for name in facts.figure_values[match[0].replace(",", "").replace("_", "")]:
@@ -382,6 +389,8 @@ def scan_file(facts: Facts, root: Path, path: Path) -> list[Finding]:
         found.setdefault((line, what), Finding(relative, line, what, owner))
 
     code, prose = pieces(path, text)
+    serving = "SERVING_ENGINES" in text or any(
+        relative == owner.chapter()[0] for owner in facts.counts.values())
     for first, source in code:
         try:
             tree = ast.parse(source)
@@ -403,7 +412,8 @@ def scan_file(facts: Facts, root: Path, path: Path) -> list[Finding]:
                     words(facts, piece, lambda what, owner, n=first + row - 1:
                           add(n, what, owner), prose=False)
     for number, line in prose:
-        words(facts, line, lambda what, owner, n=number: add(n, what, owner), prose=True)
+        words(facts, line, lambda what, owner, n=number: add(n, what, owner), prose=True,
+              serving=serving)
     return sorted(found.values(), key=lambda f: f.line)
 
 
