@@ -12,13 +12,16 @@ The owners are read from the package itself, so the lint follows them when they 
 * block sizes: ``minipaged.kernels.MAX_BLOCK_SIZE`` and the powers of two up to it (chapter 5).
 
 A copy is only looked for where it reads as the fact, not as an unrelated number: a literal list
-of two or more engine names; a count of the engines in words ("four engines"); an option's name
-with its default beside it on one line (``gpu_memory_utilization=0.9`` in a string or the prose,
-``options.get("max_num_seqs", 256)``, ``x.block_size == 16``, a parameter or field defaulting to
-it, the value handed to ``LLM(...)`` as if it were a choice); a study figure's value on a line
-that names the figure or says "study"; the served block sizes as a literal list, or the largest
-on a line about block sizes. Each finding names the owner (module:symbol and its chapter line).
-ALLOWED lists the few places where such a line is input data or the owner's own words.
+of two or more engine names, or three named in a sentence; a count of the engines in words ("four
+engines", "four rows, one per engine"); an option's name with its default beside it on one line
+(``gpu_memory_utilization=0.9`` in a string or the prose, "90% of the card",
+``options.get("max_num_seqs", 256)``, ``x.max_num_seqs == 256``, a parameter or field defaulting
+to it); a study figure's value given as its name's entry, compared with it, or in a sentence that
+says "study"; the served block sizes as a literal run up to the largest, or the largest on a line
+about block sizes. Prose includes captions and alt text in a cell's header. A value handed to a
+call (``LLM(block_size=16)``) is input data, not a copy, and so is anything on a page before the
+owner's chapter, which cannot import it. Each finding names the owner (module:symbol and its
+chapter line). ALLOWED lists the few other exceptions, each with its reason.
 
     python tools/facts_lint.py            # the tree; exit status 1 when anything is found
     python tools/facts_lint.py --root DIR # another tree against this checkout's owners (the
