@@ -18,6 +18,7 @@ import minipaged.scheduler
 import minipaged.sizing
 from minipaged import LLM, SamplingParams
 from minipaged.bad_inputs import BAD_GENERATE_ARGUMENTS, BAD_LLM_OPTIONS
+from minipaged.frontend import FrontEndArgs
 from minipaged.huggingface import save_pretrained, to_transformers
 from minipaged.model import ModelConfig, random_model
 
@@ -758,7 +759,7 @@ def test_profiling_out_of_memory_is_a_clear_refusal(model, simulated_gpu, monkey
 
     monkeypatch.setattr(minipaged.sizing, "peak_forward_bytes", out_of_memory)
     with pytest.raises(ValueError, match="No available memory to profile a forward pass of "
-                                         "max_num_batched_tokens=2048"):
+                       f"max_num_batched_tokens={FrontEndArgs.max_num_batched_tokens}"):
         LLM(model=model)
 
 

@@ -16,6 +16,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from gpu_check import chapters, common, cuda_tests, stages  # noqa: E402
 
 from minipaged.runtime import gpu_results  # noqa: E402
+from minipaged.serving import SERVING_ENGINES, ReservationManager  # noqa: E402
 
 # ---- results records ----
 
@@ -394,8 +395,11 @@ def test_serving_stage_writes_a_row_per_engine_and_rate(tmp_path, monkeypatch):
     monkeypatch.delenv("HF_HOME", raising=False)
     stages.serving(stages.Context(tmp_path, dry_run=True))
     rows = common.read_rows(tmp_path / "serving.csv")
-    assert [r["engine"] for r in rows] == ["paged", "Oracle", "Pow2", "Max"]
+    assert [r["engine"] for r in rows] == list(SERVING_ENGINES)  # the registry, in its order
     assert {r["pool_blocks"] for r in rows} == {"32"} and {r["requests"] for r in rows} == {"4"}
-    assert all(r["num_preemptions"] == "0" for r in rows[1:])  # reservations never preempt
+    reserving = {name for name, (manager, _) in SERVING_ENGINES.items()
+                 if issubclass(manager, ReservationManager)}  # asked of each engine's class
+    assert reserving and all(r["num_preemptions"] == "0" for r in rows
+                             if r["engine"] in reserving)  # a reservation never preempts
     assert all(float(r["mean_normalized_ms"]) > 0 and float(r["held_tokens"]) >= float(
         r["used_tokens"]) for r in rows)

@@ -70,3 +70,141 @@ def test_make_lint_and_make_check_lint_through_the_wrapper():
     for target in ("lint", "check"):
         recipe = makefile.split(f"\n{target}:")[1].split("\n\n")[0]
         assert "tools/lint.py" in recipe and "ruff check" not in recipe, target
+
+
+# ---- tools/facts_lint.py: each fact written once, by its owner ---------------------------------
+
+def facts_tool():
+    if "facts_lint" not in sys.modules:  # registered: its dataclasses look their module up
+        spec = importlib.util.spec_from_file_location("facts_lint",
+                                                      ROOT / "tools" / "facts_lint.py")
+        sys.modules["facts_lint"] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules["facts_lint"])
+    return sys.modules["facts_lint"]
+
+
+@pytest.fixture(scope="module")
+def facts_lint():
+    return facts_tool()
+
+
+@pytest.fixture(scope="module")
+def facts(facts_lint):
+    return facts_lint.Facts.read(ROOT)
+
+
+def test_the_facts_are_read_from_their_owners(facts):
+    from minipaged.kernels import MAX_BLOCK_SIZE
+    from minipaged.llm import EngineArgs
+    from minipaged.reckoning import STUDY
+    from minipaged.serving import SERVING_ENGINES
+
+    assert list(facts.engines) == list(SERVING_ENGINES)
+    assert len(SERVING_ENGINES) in facts.counts
+    for name, (default, owner) in facts.options.items():
+        assert default == EngineArgs.__dataclass_fields__[name].default
+        chapter, line = owner.chapter()
+        assert name in (ROOT / chapter).read_text().splitlines()[line - 1], owner  # its line
+    assert {"gpu_memory_utilization", "max_num_seqs", "block_size"} <= set(facts.options)
+    assert set(facts.figures) == set(STUDY) and facts.block_sizes[-1] == MAX_BLOCK_SIZE
+    chapter, line = facts.block_owner.chapter()
+    assert "MAX_BLOCK_SIZE =" in (ROOT / chapter).read_text().splitlines()[line - 1]
+
+
+def test_the_tree_restates_no_fact(facts_lint, facts):
+    found = [str(f) for f in facts_lint.scan(ROOT, facts) if f.path not in facts_lint.PENDING]
+    assert not found, "\n".join(found)
+
+
+def planted(facts) -> dict[str, tuple[str, str, str]]:
+    """One planted copy of each kind: file -> (its text, the line's start, the owner it names).
+    Written from the facts, so that this file itself restates none."""
+    names = list(facts.engines)
+    gmu, seqs = facts.options["gpu_memory_utilization"][0], facts.options["max_num_seqs"][0]
+    block = facts.options["block_size"][0]
+    figure = next(f for f, (value, _) in facts.figures.items() if value >= 100)
+    value = facts.figures[figure][0]
+    count = {v: k for k, v in facts_tool().COUNTS.items()}[len(names)]
+    sizes = list(facts.block_sizes)
+    return {
+        "tests/test_planted_list.py": (f"ENGINES = [{names[0]!r}, {names[-1]!r}]\n",
+                                       "ENGINES", "SERVING_ENGINES"),
+        "bench/planted_tuple.py": (f"for name in ({names[1]!r},\n             {names[2]!r}):\n"
+                                   "    pass\n", "for name", "SERVING_ENGINES"),
+        "book/planted_prose.md": (f"# Title\n\nWe compare {', '.join(names[:-1])} and "
+                                  f"{names[-1]}.\n", "We compare", "SERVING_ENGINES"),
+        "chapters/99_planted_count.md": (f"The {count} serving engines differ.\n", "The",
+                                         "SERVING_ENGINES"),
+        "chapters/99_planted_caption.md": ("```{code-cell} ipython3\n---\nmystnb:\n  figure:\n"
+                                           f"    alt: {count.title()} rows, one per engine.\n"
+                                           "---\nx = 1\n```\n", "    alt:", "SERVING_ENGINES"),
+        "tools/planted_fallback.py": (f"def f(options):\n    return options.get("
+                                      f"'gpu_memory_utilization', {gmu})\n", "    return",
+                                      "FrontEndArgs.gpu_memory_utilization"),
+        "tests/test_planted_string.py": (f'MESSAGE = "a batch of max_num_seqs={seqs} requests"\n',
+                                         "MESSAGE", "FrontEndArgs.max_num_seqs"),
+        "tests/test_planted_parameter.py": (f"def make(pool, block_size={block}):\n    pass\n",
+                                            "def make", "FrontEndArgs.block_size"),
+        "README.md": (f"Set `gpu_memory_utilization` (default {gmu}) to share the card.\n",
+                      "Set", "FrontEndArgs.gpu_memory_utilization"),
+        "chapters/99_planted_share.md": (f"A demo has no use for {gmu:.0%} of the card.\n",
+                                         "A demo", "FrontEndArgs.gpu_memory_utilization"),
+        "tests/test_planted_compare.py": (f"def test(args):\n    assert args.max_num_seqs == "
+                                          f"{seqs}\n", "    assert", "FrontEndArgs.max_num_seqs"),
+        "tests/test_planted_figure.py": (f'def test(STUDY):\n    assert STUDY["{figure}"] == '
+                                         f"{value!r}\n", "    assert", f"STUDY[{figure!r}]"),
+        "tests/test_planted_record.py": (f'record(path, {{"{figure}": {value!r}}})\n', "record",
+                                         f"STUDY[{figure!r}]"),
+        "chapters/99_planted_figure.md": (f"The study counted {value:,} of them.\n", "The study",
+                                          f"STUDY[{figure!r}]"),
+        "tests/test_planted_sizes.py": (f"SIZES = {sizes}\n", "SIZES", "MAX_BLOCK_SIZE"),
+        "chapters/99_planted_block.md": (f"Any block size up to {sizes[-1]} is served.\n", "Any",
+                                         "MAX_BLOCK_SIZE"),
+    }
+
+
+def test_each_planted_copy_is_found_at_its_line_naming_its_owner(facts_lint, facts, tmp_path):
+    for path, (text, start, owner) in planted(facts).items():
+        tree = tmp_path / path.replace("/", "_").replace(".", "_")
+        (tree / path).parent.mkdir(parents=True)
+        (tree / path).write_text(text)
+        found = facts_lint.scan(tree, facts)
+        line = next(n for n, row in enumerate(text.splitlines(), 1) if row.startswith(start))
+        assert [(f.path, f.line) for f in found] == [(path, line)], (path, [str(f) for f in found])
+        assert owner in str(found[0]) and "chapters/" in str(found[0]), str(found[0])
+
+
+def test_input_data_equal_to_a_fact_is_not_a_copy(facts_lint, facts, tmp_path):
+    gmu, block = facts.options["gpu_memory_utilization"][0], facts.options["block_size"][0]
+    name = next(iter(facts.engines))
+    quiet = {
+        # a value chosen for a call, a single engine, an unrelated list, a later owner's fact on
+        # an earlier page (which cannot import it)
+        "tests/test_quiet.py": (f"llm = LLM(model, block_size={block}, gpu_memory_utilization="
+                                f"{gmu})\nrun = SERVING_ENGINES[{name!r}]\nsizes = [1, 2, 3, 4]\n"),
+        "chapters/01_quiet.md": f"With `gpu_memory_utilization={gmu}` the card fills.\n",
+        "book/quiet.md": f"A pool of {facts.block_sizes[-1]} blocks holds a prompt.\n",
+    }
+    for path, text in quiet.items():
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text(text)
+    assert not [str(f) for f in facts_lint.scan(tmp_path, facts)]
+
+
+@pytest.mark.heavy  # a subprocess that imports the package: seconds
+def test_facts_lint_exits_1_on_a_planted_copy_and_lint_runs_it(facts, tmp_path):
+    path, (text, _, owner) = next(iter(planted(facts).items()))
+    (tmp_path / path).parent.mkdir(parents=True)
+    (tmp_path / path).write_text(text)
+    result = subprocess.run([sys.executable, str(ROOT / "tools" / "facts_lint.py"), "--root",
+                             str(tmp_path)], capture_output=True, text=True)
+    assert result.returncode == 1 and owner in result.stdout, result.stdout + result.stderr
+    assert "facts_lint.py" in (ROOT / "tools" / "lint.py").read_text().split("def main")[0]
+
+
+def test_each_allowed_exception_still_names_a_line_of_the_tree(facts_lint):
+    """An exception whose line is gone (the copy fixed, issue 45's ledger line replaced) must go
+    too, so that the list stays the few places it claims to be."""
+    for path, fragment, why in facts_lint.ALLOWED:
+        assert why and fragment in (ROOT / path).read_text(), (path, fragment)
+    assert len(facts_lint.ALLOWED) <= 8

@@ -80,7 +80,7 @@ def test_a_chapter_on_several_pages_is_one_record_with_each_value_from_its_page(
 
 def test_a_value_comes_only_from_a_chapter_record(tmp_path):
     figure = STUDY["capacity_512"]
-    record(tmp_path, "03_block_pool", {"capacity_512": 1_814})
+    record(tmp_path, "03_block_pool", {"capacity_512": figure.study})
     record(tmp_path, "04_kv_cache", {"something_else": 1})
     rows = {row["figure"].name: row for row in reproduction_rows(directory=tmp_path,
                                                                  root=tmp_path)}
@@ -149,7 +149,7 @@ def test_rows_without_a_record_are_explained_once_above_the_table(tmp_path, monk
     assert "The values measured on NVIDIA H200 come from" in records_note(with_gpu)
     assert "chapters 2, " in records_note(with_gpu)  # chapter 1 has its GPU record
     # in a checkout, a lone run: the folder is named, and the way to fill it
-    record(tmp_path / "measured", "03_block_pool", {"capacity_512": 1_814})
+    record(tmp_path / "measured", "03_block_pool", {"capacity_512": STUDY["capacity_512"].study})
     lone = reproduction_rows(directory=tmp_path / "measured", root=tmp_path / "none")
     note = records_note(lone, directory=tmp_path / "measured")
     assert f"left no record in `{tmp_path / 'measured'}`" in note and "make book" in note
@@ -178,10 +178,10 @@ def test_glue_records_the_chapter_and_where_it_ran(tmp_path, monkeypatch):
     monkeypatch.setattr(runtime_module, "_record", {})
     monkeypatch.setenv("MINIPAGED_DEVICE", "cpu")
     Runtime.detect()
-    glue("capacity_512", 1_814)
+    glue("capacity_512", STUDY["capacity_512"].study)
     glue("a_figure", object())  # not a number: not recorded
     saved = json.loads((tmp_path / "03_block_pool.json").read_text())
-    assert saved["values"] == {"capacity_512": 1_814}
+    assert saved["values"] == {"capacity_512": STUDY["capacity_512"].study}
     assert (saved["chapter"], saved["device"], saved["scale"]) == ("03_block_pool", "cpu",
                                                                    "small")
 
@@ -196,7 +196,8 @@ def test_a_decode_step_moves_the_weights_whatever_paging_does():
 
 
 def test_derived_rows_say_so_and_worded_rows_show_the_studys_words(tmp_path):
-    record(tmp_path, "01_kv_memory", {"start_to_start_blocks": 52})
+    start_to_start = STUDY["start_to_start_blocks"].study  # the study's own, recorded as is
+    record(tmp_path, "01_kv_memory", {"start_to_start_blocks": start_to_start})
     record(tmp_path, "03_block_pool", {"all_tables_kib": 226.5})
     rows = {row["figure"].name: row for row in reproduction_rows(directory=tmp_path,
                                                                  root=tmp_path)}
@@ -213,7 +214,8 @@ def test_derived_rows_say_so_and_worded_rows_show_the_studys_words(tmp_path):
 def test_every_row_has_one_kind_and_rows_of_one_run_read_alike(tmp_path):
     from minipaged.reckoning import VERDICT_KINDS
 
-    record(tmp_path, "01_kv_memory", {"reservations_fit": 573, "reservations_gib": 13.43,
+    record(tmp_path, "01_kv_memory", {"reservations_fit": STUDY["reservations_fit"].study,
+                                      "reservations_gib": 13.43,
                                       "t4_tokens_70": 738_976})
     record(tmp_path, "08_prefix_caching", {"preempt_starved_requests": 60,
                                            "preempt_starved_queries": 9000,

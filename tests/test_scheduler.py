@@ -3,6 +3,7 @@ import pytest
 
 import minipaged.scheduler as scheduler_module
 from minipaged.blocks import BlockPool, BlockTable
+from minipaged.frontend import FrontEndArgs
 from minipaged.sampling import SamplingParams
 from minipaged.scheduler import (
     NO_NEW_BLOCKS,
@@ -14,7 +15,9 @@ from minipaged.scheduler import (
 )
 
 
-def make(num_blocks=8, block_size=16, budget=2048, max_num_seqs=256, max_model_len=512):
+def make(num_blocks=8, block_size=FrontEndArgs.block_size,
+         budget=FrontEndArgs.max_num_batched_tokens, max_num_seqs=FrontEndArgs.max_num_seqs,
+         max_model_len=512):  # the LLM's defaults, from their owner
     pool = BlockPool(num_blocks, block_size)
     return Scheduler(KVCacheManager(pool), budget, max_num_seqs, max_model_len), pool
 

@@ -6,9 +6,12 @@ not the line to edit. Each finding in a generated module is printed at the chapt
 block's marker gives (``# chapters/03_block_pool.md:169``), followed by the module line ruff
 named; the line and column are the chapter's, since tangle copies an exported cell's code as it
 is. Every other line of ruff's output (findings in hand-written files, the summary) is printed
-as ruff prints it, and the exit status is ruff's.
+as ruff prints it. Over the whole tree, tools/facts_lint.py then flags a fact (an engine list,
+an option's default, a study figure, the block sizes) restated outside its owner; the exit
+status is ruff's, else the facts lint's.
 
-    python tools/lint.py                  # ruff check minipaged tests tools bench solutions
+    python tools/lint.py                  # ruff check minipaged tests tools bench solutions,
+                                          # then tools/facts_lint.py (one owner per fact)
     python tools/lint.py minipaged/x.py   # only the paths given
 """
 from __future__ import annotations
@@ -58,6 +61,13 @@ def relocate(line: str) -> str:
     return f"{os.path.relpath(chapter)}:{number}:{match['column']}: {match['rest']} ({place})"
 
 
+def facts() -> int:
+    """tools/facts_lint.py over the whole tree (each fact written once, by its owner); its own
+    process, so that importing the package never slows or alters ruff's part. Its status."""
+    script = Path(__file__).resolve().with_name("facts_lint.py")
+    return subprocess.run([sys.executable, str(script)]).returncode
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     result = subprocess.run([sys.executable, "-m", "ruff", "check", "--output-format", "concise",
@@ -65,6 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     for line in result.stdout.splitlines():
         print(relocate(line))
     print(result.stderr, end="", file=sys.stderr)
+    if not args:  # the whole tree: the facts too (a list of paths asks for ruff alone)
+        found = facts()
+        return result.returncode or found
     return result.returncode
 
 

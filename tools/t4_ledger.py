@@ -189,7 +189,7 @@ class Work:
 
 def scheduled_work(requests: list[tuple[int, int]], num_blocks: int, block_size: int,
                    max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
-                   preemption_mode: str = "recompute") -> tuple[int, int, int]:
+                   preemption_mode: str | None = None) -> tuple[int, int, int]:
     """Run the book's own scheduler (chapter 7's, or chapter 11's swapping one) over requests
     of (prompt length, answer length) on a pool of num_blocks, every sampled token a dummy and
     no model: (steps, tokens computed, preemptions), preemption's extra steps and recomputed
@@ -199,7 +199,8 @@ def scheduled_work(requests: list[tuple[int, int]], num_blocks: int, block_size:
     from minipaged.sampling import SamplingParams
     from minipaged.scheduler import KVCacheManager, Request, needs_sample
 
-    scheduler = SCHEDULER_CLASSES[preemption_mode](
+    mode = preemption_mode or option({}, "preemption_mode")  # None: the LLM's default
+    scheduler = SCHEDULER_CLASSES[mode](
         KVCacheManager(BlockPool(num_blocks, block_size)), max_num_batched_tokens, max_num_seqs,
         max_model_len)
     for number, (prompt, answer) in enumerate(requests):
@@ -230,21 +231,31 @@ def swap_host_bytes(num_cpu_blocks: int, block_bytes: int, num_layers: int) -> t
 
 def swap_pool_blocks(options: dict, block_bytes: int, block_size: int, longest: int,
                      max_num_seqs: int) -> int:
-    """The host pool SwapScheduler.blocks_for_swap_space gives: swap_space (GiB, default 4) in
+    """The host pool SwapScheduler.blocks_for_swap_space gives: swap_space (GiB, EngineArgs') in
     whole blocks, capped at what max_num_seqs sequences of longest can fill."""
     from minipaged.checks import cdiv
     from minipaged.memory import GiB
 
-    swap_space = options.get("swap_space", 4)
-    swap_space = swap_space if isinstance(swap_space, (int, float)) else 4
+    swap_space = option(options, "swap_space")
+    swap_space = swap_space if isinstance(swap_space, (int, float)) else option({}, "swap_space")
     return min(int(swap_space * GiB) // block_bytes, max_num_seqs * cdiv(longest, block_size))
+
+
+def option(options: dict, name: str):
+    """options[name], else the package LLM's default for it: read from its one owner,
+    minipaged.llm.EngineArgs (chapters 7 and 12), never restated here."""
+    if name in options:
+        return options[name]
+    from minipaged.llm import EngineArgs
+
+    return {field.name: field for field in dataclasses.fields(EngineArgs)}[name].default
 
 
 def preemption_mode(options: dict) -> str:
     """How an engine built with these options preempts: the package LLM's preemption_mode, or
     chapter 11's SwapScheduler handed to chapter 7's LLMFrontEnd as scheduler_cls."""
     swapping = getattr(options.get("scheduler_cls"), "__name__", "") == "SwapScheduler"
-    return "swap" if swapping else options.get("preemption_mode", "recompute")
+    return "swap" if swapping else option(options, "preemption_mode")
 
 
 def activation_bytes(config, num_tokens: int, num_rows: int, dtype_bytes: int) -> int:
@@ -547,11 +558,11 @@ class Ledger(Walker):
         """Size an engine as LLM does, on the simulated card, and book its cache."""
         if not model.on_device:
             return self.allocate(Allocation(what, 0, False, model=model))
-        config, block_size = model.config, options.get("block_size", 16)
+        config, block_size = model.config, option(options, "block_size")
         limit = options.get("max_model_len")
         longest = min(limit or config.max_position_embeddings, config.max_position_embeddings)
-        max_num_seqs = options.get("max_num_seqs", 256)
-        tokens = options.get("max_num_batched_tokens", 2048)
+        max_num_seqs = option(options, "max_num_seqs")
+        tokens = option(options, "max_num_batched_tokens")
         numbers = [block_size, longest, max_num_seqs, tokens]
         if not all(isinstance(n, int) for n in numbers):
             self.result.errors.append(f"line {self.line}: {what}: sizes unknown {numbers}")
@@ -625,11 +636,10 @@ class Ledger(Walker):
             lengths.append(len(ids))
             answers += [max_tokens] * (n if isinstance(n, int) else 1)
             requests += [(len(ids), max_tokens)] * (n if isinstance(n, int) else 1)
-        seqs, budget = options.get("max_num_seqs", 256), options.get("max_num_batched_tokens",
-                                                                      2048)
+        seqs, budget = option(options, "max_num_seqs"), option(options, "max_num_batched_tokens")
         batches = [answers[i:i + seqs] for i in range(0, len(answers), seqs)]
         steps = math.ceil(sum(lengths) / budget) + sum(max(b) for b in batches)
-        block_size, num_blocks = options.get("block_size", 16), options.get("num_blocks")
+        block_size, num_blocks = option(options, "block_size"), options.get("num_blocks")
         wanted = sum(math.ceil(min(p + a, options.get("max_model_len", p + a)) / block_size)
                      for p, a in requests)
         if isinstance(num_blocks, int) and wanted > num_blocks:  # the pool may preempt
