@@ -444,3 +444,20 @@ def test_a_failing_cell_under_nbval_names_its_chapter_line(tmp_path):
     start = line_of(repo / "chapters" / "01_tiny.md", "total = 17")
     assert f"chapters/01_tiny.md:{start}: Cell 1 of the twin starts here" in result.stdout
     assert f"the line that failed is chapters/01_tiny.md:{start + 1}" in result.stdout
+
+
+def test_the_api_page_lists_every_option_of_llm_with_its_default():
+    """The options table is read from EngineArgs' code: every field, its default as the class
+    has it, and a link to the chapter named in its comment."""
+    import dataclasses
+
+    from minipaged.llm import EngineArgs
+
+    page = (ROOT / "book" / "api.md").read_text()
+    for field in dataclasses.fields(EngineArgs):
+        row = next(line for line in page.splitlines() if line.startswith(f"| `{field.name}` |"))
+        default = row.split("|")[2].strip().strip("`")
+        value = field.default
+        assert default == (value.__name__ if isinstance(value, type) else repr(value)
+                           ).replace("'", '"'), row
+        assert "](<../chapters/" in row, row

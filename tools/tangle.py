@@ -173,6 +173,66 @@ def _page_title(chapter: str) -> str:
     return next((line[2:].strip() for line in lines if line.startswith("# ")), chapter)
 
 
+OPTION_CHAPTER = re.compile(r"#\s*chapter\s+(\d+(?:\.\d+)?):?\s*(.*)$")
+
+
+def _chapter_by_number(number: str) -> str | None:
+    """The chapter file whose title starts with this number ("7.2", or "8" for "# 8. ...")."""
+    for chapter in chapter_files():
+        title = _page_title(chapter.relative_to(ROOT).as_posix())
+        if title.split(" ", 1)[0].rstrip(".") == number:
+            return chapter.relative_to(ROOT).as_posix()
+    return None
+
+
+def dataclass_options(module: Module, class_name: str) -> list[tuple[str, str, str, str]]:
+    """A dataclass's fields in a module's cells, as (name, default, chapter, what): the default's
+    source, and the chapter and words of the field's trailing comment ``# chapter N: what``."""
+    for block in module.cells:
+        tree = ast.parse(block.code)
+        lines = block.code.splitlines()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef) and node.name == class_name:
+                rows = []
+                for field_node in node.body:
+                    if not (isinstance(field_node, ast.AnnAssign)
+                            and isinstance(field_node.target, ast.Name)):
+                        continue
+                    default = (ast.get_source_segment(block.code, field_node.value)
+                               if field_node.value is not None else "")
+                    line = lines[field_node.lineno - 1]
+                    comment = OPTION_CHAPTER.search(line[line.find("#"):] if "#" in line else "")
+                    if not comment:
+                        sys.exit(f"{module.chapter}:{block.line + field_node.lineno - 1}: option "
+                                 f"{field_node.target.id} needs a '# chapter N: what' comment")
+                    rows.append((field_node.target.id, default, comment.group(1),
+                                 comment.group(2)))
+                return rows
+    return []
+
+
+def render_options(modules: dict[str, Module]) -> list[str]:
+    """The table of LLM's options: chapter 7's FrontEndArgs and chapter 12's EngineArgs fields,
+    read from their code, so that the page cannot drift from the defaults."""
+    if "frontend" not in modules or "llm" not in modules:
+        return []
+    rows = dataclass_options(modules["frontend"], "FrontEndArgs")
+    rows += dataclass_options(modules["llm"], "EngineArgs")
+    table = ["## The options of `LLM`", "",
+             "`LLM(model, **options)` takes these keyword options (`EngineArgs`, read from its "
+             "code when this page is generated). The three marked *LLMFrontEnd only* are the "
+             "classes chapter 7's `LLMFrontEnd` takes by hand; `LLM` chooses them itself from "
+             "the options of chapters 8 to 11.", "",
+             "| option | default | what it sets | explained in |", "| --- | --- | --- | --- |"]
+    for name, default, number, what in rows:
+        chapter = _chapter_by_number(number)
+        where = (f"[chapter {number}](<{_page_link(chapter)}>)" if chapter else
+                 f"chapter {number}")
+        what = what.replace("|", "\\|")
+        table.append(f"| `{name}` | `{default}` | {what} | {where} |")
+    return table + [""]
+
+
 def render_api_page(modules: dict[str, Module]) -> str:
     """The book's API reference: one autodoc section per module, in chapter order."""
     lines = [
@@ -186,7 +246,7 @@ def render_api_page(modules: dict[str, Module]) -> str:
         "The building blocks are importable from their modules, listed here in the order the "
         "chapters write them; each module's source names the chapter to edit.",
         "",
-    ]
+    ] + render_options(modules)
     for module in sorted(modules.values(), key=lambda m: (m.chapter, m.name != "runtime")):
         lines += [
             f"## `minipaged.{module.name}`",
