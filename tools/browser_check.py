@@ -263,7 +263,7 @@ def check_players(page, screenshots: Path | None, stem: str) -> list[str]:
 PLAYER_NARROW = r"""
 root => {
   const frame = root.querySelector(".mp-frame:not([hidden])"), svg = frame.querySelector("svg");
-  const box = svg.getBoundingClientRect();  /* a frame that scrolls clips the picture, not the page */
+  const box = svg.getBoundingClientRect();  /* a scrolling frame clips the picture */
   const right = Math.max(root.getBoundingClientRect().right, frame.getBoundingClientRect().right);
   return {right: right, screen: document.documentElement.clientWidth,
           scale: box.width / svg.viewBox.baseVal.width};
