@@ -120,4 +120,5 @@ class PreemptsOldest(Scheduler):
 SOLUTIONS = {
     "check_num_blocks_to_allocate": (blocks_to_allocate, [floors, hits_are_free, no_clamp]),
     "check_scheduler": (LargestFirst, [LargestOfAll, KeepsBlocks, PreemptsOldest]),
+    "check_largest_first": (LargestFirst, [Scheduler, LargestOfAll, KeepsBlocks]),
 }

@@ -80,6 +80,13 @@ PLANTED["player_stuck"] = (CLEAN["player"].replace("show(current + d)", "show(cu
                            .replace("show(Number(slider.value))", "show(current)"),
                            "Next/Previous showed step")
 PLANTED["player_heavy"] = (CLEAN["player"] + "<!--" + "x" * (2 * 2**20) + "-->", "MiB")
+PLANTED["player_no_focus"] = (CLEAN["player"].replace(' tabindex="0"', ""),
+                              "after a click on its picture showed step")
+PLANTED["player_tiny"] = (CLEAN["player"].replace("min-width: 600px", "min-width: 0"),
+                          "unreadable")
+PLANTED["player_wide"] = (CLEAN["player"].replace(".mp-frame { overflow-x: auto; }",
+                                                  ".mp-frame { width: 760px; }"),
+                          "wider than the screen")
 PAGES = ["clean"] + sorted(PLANTED)
 
 
@@ -90,7 +97,7 @@ def chapter(number: int, **parts) -> str:
     colab = (f'<a href="https://colab.research.google.com/github/x/y/blob/main/chapters/'
              f'{stem}.ipynb">Colab</a>' if body["colab"] else "")
     return f"""<html><head>
-<style>article {{ width: 600px; }}</style>{body['script']}</head><body><article>
+<style>article {{ max-width: 600px; }}</style>{body['script']}</head><body><article>
 <section id="demo"><h1>{number}. Demo</h1>{colab}{body['image']}{body['math']}{body['link']}
 {body['code']}{body['alt']}{body['player']}{body['map']}
 <section id="what-we-measured"><h2>What we measured</h2>{body['table']}</section>
@@ -115,8 +122,8 @@ def problems(tmp_path_factory) -> dict[str, list[str]]:
         if name == "clean":
             html = chapter(number)
         else:
-            part = {"text_table": "table", "directive": "code", "player_stuck": "player",
-                    "player_heavy": "player"}.get(name, name)
+            part = "player" if name.startswith("player") else {
+                "text_table": "table", "directive": "code"}.get(name, name)
             html = chapter(number, **{part: PLANTED[name][0]})
         (root / "chapters" / f"{number:02d}_demo.html").write_text(html)
     shots = root.parent / "shots"

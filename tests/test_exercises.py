@@ -16,11 +16,18 @@ CHAPTERS = sorted((ROOT / "chapters").glob("[0-9][0-9]_*.md"))
 # A chapter may span pages (07_scheduler.md, 07_the_llm.md, 07_under_load.md): its last page
 # ends with the exercises.
 LAST_PAGES = list({chapter.name[:2]: chapter for chapter in CHAPTERS}.values())
-MODULES = sorted(path.stem for path in (ROOT / "minipaged").glob("exercises_*.py"))
+# The checkers' modules, minipaged.exercises.chapter_NN; each chapter's solutions are in the
+# repository's solutions/exercises_NN.py.
+MODULES = sorted(f"chapter_{path.stem[-2:]}"
+                 for path in (ROOT / "minipaged" / "exercises").glob("chapter_*.py"))
+
+
+def solutions_of(module: str):
+    return importlib.import_module(f"solutions.exercises_{module[-2:]}")
 
 
 def checkers(module_name: str) -> dict:
-    module = importlib.import_module(f"minipaged.{module_name}")
+    module = importlib.import_module(f"minipaged.exercises.{module_name}")
     return {name: function for name, function in vars(module).items()
             if name.startswith("check_") and inspect.isfunction(function)
             and function.__module__ == module.__name__}
@@ -43,12 +50,12 @@ def stub(*args, **kwargs):
 
 def test_every_chapter_has_an_exercise_module():
     numbers = sorted(chapter.name[:2] for chapter in CHAPTERS)
-    assert MODULES == [f"exercises_{n}" for n in dict.fromkeys(numbers)]
+    assert MODULES == [f"chapter_{n}" for n in dict.fromkeys(numbers)]
 
 
 @pytest.mark.parametrize("module", MODULES)
 def test_every_checker_has_a_solution_and_wrong_answers(module):
-    solutions = importlib.import_module(f"solutions.{module}").SOLUTIONS
+    solutions = solutions_of(module).SOLUTIONS
     assert set(solutions) == set(checkers(module))
     for name, (solution, wrong) in solutions.items():
         assert callable(solution) and wrong, f"{module}.{name}: a solution and a wrong answer"
@@ -58,7 +65,7 @@ def test_every_checker_has_a_solution_and_wrong_answers(module):
 @pytest.mark.parametrize(("module", "name"), every_checker())
 def test_checker_accepts_the_solution_and_rejects_wrong_answers(module, name):
     check = checkers(module)[name]
-    solution, wrong = importlib.import_module(f"solutions.{module}").SOLUTIONS[name]
+    solution, wrong = solutions_of(module).SOLUTIONS[name]
     verdict = check(solution)
     assert verdict.solved is True, verdict.message
     assert "solved" in repr(verdict)
@@ -85,7 +92,7 @@ def test_chapter_ends_with_exercises_one_of_which_checks_itself(chapter):
     section = exercise_section(chapter)
     problems = re.findall(r"^\d+\. \*\*", section, flags=re.M)
     assert 3 <= len(problems) <= 5, f"{chapter.name}: {len(problems)} exercises"
-    module = f"exercises_{chapter.name[:2]}"
+    module = f"exercises.chapter_{chapter.name[:2]}"
     cells = [cell.source for cell in jupytext.reads("## " + section, fmt="md:myst").cells
              if cell.cell_type == "code"]
     assert any(f"from minipaged.{module} import check_" in source for source in cells), \

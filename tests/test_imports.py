@@ -37,9 +37,9 @@ def module_chapters(package: Path) -> dict[str, str]:
     """Each generated module's name, mapped to the chapter its header names. The names that
     __init__.py re-exports (`from minipaged import LLM`) map to their module's chapter too."""
     owners = {}
-    for path in sorted(package.glob("*.py")):
+    for name, path in tangle_tool().package_files(package).items():
         if match := WRITTEN_BY.match(path.read_text()):
-            owners[path.stem] = match.group(1)
+            owners[name] = match.group(1)
     init = package / "__init__.py"
     for node in ast.walk(ast.parse(init.read_text() if init.exists() else "")):
         if isinstance(node, ast.ImportFrom) and node.level and node.module in owners:
@@ -49,12 +49,13 @@ def module_chapters(package: Path) -> dict[str, str]:
 
 def violations(package: Path, order: list[str]) -> list[str]:
     owners = module_chapters(package)
+    files = tangle_tool().package_files(package)
     rank = {chapter: n for n, chapter in enumerate(order)}
     problems = []
     for module, chapter in owners.items():
-        if not (package / f"{module}.py").exists():
+        if module not in files:
             continue  # a name __init__.py re-exports, not a module
-        for target in imported_modules((package / f"{module}.py").read_text()):
+        for target in imported_modules(files[module].read_text()):
             if target in owners and rank[owners[target]] > rank[chapter]:
                 problems.append(f"{module} ({chapter}) imports {target} ({owners[target]})")
     return problems
@@ -63,8 +64,9 @@ def violations(package: Path, order: list[str]) -> list[str]:
 def test_every_generated_module_belongs_to_a_chapter_of_the_table_of_contents():
     order = chapter_order(ROOT)
     owners = module_chapters(ROOT / "minipaged")
-    modules = {p.stem for p in (ROOT / "minipaged").glob("*.py")} - {"__init__"}
+    modules = set(tangle_tool().package_files(ROOT / "minipaged")) - {"__init__", "exercises"}
     assert modules <= set(owners)
+    assert {m for m in modules if m.startswith("exercises.")}  # the checkers' subpackage
     assert set(owners.values()) <= set(order)
 
 
@@ -113,7 +115,7 @@ def test_checks_and_hugging_face_code_have_modules_of_their_own():
 def test_methods_are_attached_under_their_own_names():
     """`grep "def step"` must find a method: no `Cls.method = _function` after the class."""
     attached = re.compile(r"^[A-Z]\w*\.\w+(, [A-Z]\w*\.\w+)* = (classmethod\()?_\w+", re.M)
-    for module in sorted((ROOT / "minipaged").glob("*.py")):
+    for module in tangle_tool().package_files(ROOT / "minipaged").values():
         assert not attached.findall(module.read_text()), module.name
 
 
@@ -145,7 +147,7 @@ def test_the_graph_counts_imports_made_for_their_side_effects_and_follows_them(t
 def test_chapter_9_runs_when_the_block_pool_changes_though_it_imports_only_the_subclass():
     tangle = tangle_tool()
     package = ROOT / "minipaged"
-    names = {path.stem for path in package.glob("*.py")}
+    names = set(tangle.package_files(package))
     uses = tangle.chapter_imports(ROOT / "chapters" / "09_cache_salt.md", names)
     assert "prefix_cache" in uses  # PrefixCachingBlockPool, a subclass of blocks.BlockPool
     assert uses & tangle.dependents(tangle.import_graph(package), {"blocks"})
@@ -156,7 +158,7 @@ def test_the_package_has_no_hidden_control_flow():
     (__getattr__), no state kept in another object's __dict__, no registry a later module
     fills (a subscript assignment at module level into a name imported from elsewhere)."""
     problems = []
-    for path in sorted((ROOT / "minipaged").glob("*.py")):
+    for path in tangle_tool().package_files(ROOT / "minipaged").values():
         tree = ast.parse(path.read_text())
         imported = {alias.asname or alias.name for node in ast.walk(tree)
                     if isinstance(node, ast.ImportFrom) for alias in node.names}

@@ -138,3 +138,40 @@ def test_a_start_outside_the_trace_is_refused(start):
         recorder.record()
     with pytest.raises(ValueError, match="start"):
         show_steps(recorder.trace, start=start)
+
+
+def simple_trace():
+    """Two tables taking blocks of a pool with no prefix cache: nothing cached, nothing shared."""
+    pool, tables = BlockPool(num_blocks=4, block_size=4), {}
+    recorder = StepRecorder(pool, tables)
+    recorder.record()
+    for name in "AB":
+        tables[name] = BlockTable(pool)
+        tables[name].ensure_capacity(4)
+        recorder.record()
+    return recorder.trace
+
+
+def test_two_players_on_one_page_have_their_own_hatch():
+    """Each player defines its own pattern and its pictures use that one, not another's."""
+    pages = [show_steps(simple_trace())._repr_html_() for _ in range(2)]
+    ids = [re.findall(r'<pattern id="([^"]+)"', page) for page in pages]
+    assert all(len(found) == 1 for found in ids) and ids[0] != ids[1]
+    for page, (pattern,) in zip(pages, ids):
+        assert set(re.findall(r"url\(#([^)]+)\)", page)) <= {pattern}
+        assert "mp-hatch" not in page
+
+
+def test_the_legend_names_only_the_kinds_the_player_shows():
+    page = show_steps(simple_trace())._repr_html_()
+    assert "held (colour: the request)" in page and ">free<" in page
+    assert "free, still cached" not in page and "held by more than one table" not in page
+
+
+def test_the_player_takes_the_focus_and_keeps_a_legible_picture_on_a_narrow_screen():
+    """A click on the picture focuses the figure (tabindex), whose keydown handler moves the
+    steps; the picture keeps at least 600 px and its frame scrolls sideways below that."""
+    page = show_steps(simple_trace())._repr_html_()
+    assert re.search(r'<figure class="mp-player" id="[^"]+" tabindex="0"', page)
+    assert 'root.addEventListener("keydown"' in page
+    assert "min-width: 600px" in page and ".mp-frame { overflow-x: auto; }" in page

@@ -486,3 +486,14 @@ def test_a_readmitted_request_counts_only_under_preempted_as_in_vllm():
     stats = manager.prefix_cache_stats
     assert (stats.requests, stats.queries, stats.hits) == (1, 20, 0)
     assert (stats.preempted_requests, stats.preempted_queries, stats.preempted_hits) == (1, 20, 16)
+
+
+def test_parallel_sampling_reports_the_last_childs_cached_tokens_as_vllm():
+    """n=2 on one prompt: the second child finds the first's full prompt block in the cache.
+    vLLM 0.29.0's RequestOutput carries the num_cached_tokens of the child that completed the
+    prompt (the last to finish), so the output reports that hit, as stats() counts it."""
+    llm = LLM(seed=0, max_model_len=128, kv_cache_memory_bytes=2**20)
+    prompt = {"prompt_token_ids": list(range(1, 18)), "cache_salt": "a"}
+    (out,) = llm.generate([prompt], SamplingParams(n=2, max_tokens=4, seed=0), use_tqdm=False)
+    assert llm.llm_engine.stats()["prefix_cache_hits"] == 16
+    assert out.num_cached_tokens == 16

@@ -18,8 +18,10 @@ other host blocked, so the book is read as it would be offline. A page fails on:
 - a code cell that shows its `#| export` line (book/_static/minipaged.js hides them);
 - a broken internal link (to a page or file that is not in the build, or to a missing anchor);
 - a step player (minipaged.player) whose controls do not show, or that does not move to the step
-  its slider, its Next button, or the arrow keys on a focused control ask for; a page with a
-  player whose HTML weighs over 2 MiB.
+  its slider, its Next button, the arrow keys on a focused control, or the arrow keys after a
+  click on its picture ask for; a page with a player whose HTML weighs over 2 MiB;
+- at a phone's width (420 px), a step player wider than the screen, or whose picture's smallest
+  text is drawn under 9 px (it must keep a legible size and scroll sideways instead).
 
 Screenshots of each chapter (its top, its "What we measured" section, and each step player at
 the step it opens on) go to the screenshot folder, for CI to keep as artifacts. The browser is
@@ -44,6 +46,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 WIDTH, HEIGHT = 1280, 900
+# A phone's width, and the smallest text a step player's picture may be drawn at there: its
+# pictures' smallest font is 11 units of their viewBox (the blocks' numbers).
+NARROW_WIDTH, MIN_PLAYER_TEXT_PX, PLAYER_SMALLEST_FONT = 420, 9, 11
 # Columns of code a chapter code cell shows without scrolling at 1280 px
 # (book/_static/minipaged.css sets the code font so that ruff's 100 columns fit).
 CODE_COLUMNS = 100
@@ -239,12 +244,50 @@ def check_players(page, screenshots: Path | None, stem: str) -> list[str]:
         page.keyboard.press("Enter")
         expected.append(seen[-1]["shown"] + step)
         seen.append(root.evaluate(PLAYER_STATE))
-        for move, want, before, after in zip(("slider", "Next/Previous", key, "Enter"),
-                                             expected, seen, seen[1:]):
+        page.evaluate("() => document.activeElement && document.activeElement.blur()")
+        root.query_selector(".mp-frame:not([hidden]) svg").click()  # the picture, not a control
+        key, step = ("ArrowLeft", -1) if seen[-1]["shown"] > 0 else ("ArrowRight", 1)
+        page.keyboard.press(key)
+        expected.append(seen[-1]["shown"] + step)
+        seen.append(root.evaluate(PLAYER_STATE))
+        moves = ("slider", "Next/Previous", key, "Enter", f"{key} after a click on its picture")
+        for move, want, before, after in zip(moves, expected, seen, seen[1:]):
             if after["shown"] != want or after["says"] == before["says"]:
                 problems.append(f"{name}: {move} showed step {after['shown']}, not step {want}"
                                 if after["shown"] != want else
                                 f"{name}: {move} left the picture as it was")
+    return problems
+
+
+# A player at a phone's width: its box against the screen's, and the scale of its picture.
+PLAYER_NARROW = r"""
+root => {
+  const frame = root.querySelector(".mp-frame:not([hidden])"), svg = frame.querySelector("svg");
+  const box = svg.getBoundingClientRect();  /* a scrolling frame clips the picture */
+  const right = Math.max(root.getBoundingClientRect().right, frame.getBoundingClientRect().right);
+  return {right: right, screen: document.documentElement.clientWidth,
+          scale: box.width / svg.viewBox.baseVal.width};
+}
+"""
+
+
+def check_players_narrow(page) -> list[str]:
+    """At NARROW_WIDTH px, every player fits the screen and draws its text at a legible size."""
+    problems = []
+    page.set_viewport_size({"width": NARROW_WIDTH, "height": HEIGHT})
+    try:
+        page.wait_for_timeout(100)  # the layout at the new width
+        for number, root in enumerate(page.query_selector_all(".mp-player"), 1):
+            found = root.evaluate(PLAYER_NARROW)
+            text_px = PLAYER_SMALLEST_FONT * found["scale"]
+            if found["right"] > found["screen"] + 1:
+                problems.append(f"player {number}: {found['right']:.0f} px wide at "
+                                f"{NARROW_WIDTH} px, wider than the screen")
+            if text_px < MIN_PLAYER_TEXT_PX:
+                problems.append(f"player {number}: its smallest text is {text_px:.1f} px at "
+                                f"{NARROW_WIDTH} px, under {MIN_PLAYER_TEXT_PX} px (unreadable)")
+    finally:
+        page.set_viewport_size({"width": WIDTH, "height": HEIGHT})
     return problems
 
 
@@ -294,6 +337,8 @@ def check_page(page, base: str, path: str, screenshots: Path | None,
                                 for w in measured["wide"]]
     report.problems += check_players(page, screenshots if chapter else None, Path(path).stem)
     report.players = len(page.query_selector_all(".mp-player"))
+    if report.players:
+        report.problems += check_players_narrow(page)
     page.wait_for_timeout(100)
     report.problems += messages[num_messages:]  # console errors the players caused
     report.ids = set(result["ids"])

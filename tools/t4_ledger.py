@@ -345,6 +345,8 @@ class Ledger(Walker):
 
         self.frontend_module, self.ModelConfig = minipaged.frontend, minipaged.model.ModelConfig
         self.sizing_module = minipaged.sizing
+        # the front end's own default (one owner: chapter 7's FrontEndArgs)
+        self.default_utilization = minipaged.frontend.FrontEndArgs.gpu_memory_utilization
         self.result = ChapterLedger(chapter)
         self.total_bytes, self.context_bytes = total_bytes, context_bytes
         self.qwen = qwen_config()
@@ -583,7 +585,7 @@ class Ledger(Walker):
             if num_blocks is None:
                 num_blocks = self.sizing_module.num_cache_blocks(
                     block_bytes, block_size, longest, max_num_seqs,
-                    options.get("gpu_memory_utilization", 0.9),
+                    options.get("gpu_memory_utilization", self.default_utilization),
                     options.get("kv_cache_memory_bytes"), (free, self.total_bytes),
                     lambda: activation)
             if not isinstance(num_blocks, int):

@@ -326,6 +326,10 @@ def check(release: Release, root: Path = ROOT, verbose: bool = False,
     if verbose:
         print(f"vllm-check: {seen} map entries checked; not checkable here:")
         print("\n".join("  " + line for line in unchecked))
+    elif unchecked:
+        print(f"vllm-check: {len(unchecked)} map entries cannot be checked here (files outside "
+              f"the wheel, such as csrc/ C++ and CUDA sources: read them in the release's source "
+              f"tree); -v lists them")
     return stale
 
 
