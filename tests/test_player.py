@@ -14,7 +14,7 @@ from minipaged.blocks import BlockPool, BlockTable
 from minipaged.engine import LLMEngine
 from minipaged.engine_player import EngineRecorder
 from minipaged.model import ModelConfig, random_model
-from minipaged.player import CELL, PALETTE, StepRecorder, draw_state, request_colours, show_steps
+from minipaged.player import CELL, PALETTE, StepRecorder, _draw_state, _request_colours, show_steps
 from minipaged.sampling import SamplingParams
 
 
@@ -93,10 +93,10 @@ def test_each_picture_draws_the_engines_state(recorded):
     """The pool grid of every step's picture: each block in the colour of the request whose
     table (read from the engine at that step) holds it, or free; shared ones outlined."""
     engine, trace, states, _ = recorded
-    colours = request_colours(trace)
+    colours = _request_colours(trace)
     for state, now in zip(trace, states):
         cells = re.findall(rf'<rect [^>]*width="{CELL}" [^>]*fill="([^"]+)" stroke="([^"]+)"',
-                           draw_state(state, colours))
+                           _draw_state(state, colours))
         assert len(cells) == engine.pool.num_blocks
         for block_id, (fill, stroke) in enumerate(cells):
             holders = [rid for rid, blocks in now["tables"].items() if block_id in blocks]
