@@ -6,16 +6,29 @@ with a recorder gives the same tokens and counters as one without.
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 
+import numpy as np
 import pytest
 
 from minipaged.blocks import BlockPool, BlockTable
 from minipaged.engine import LLMEngine
 from minipaged.engine_player import EngineRecorder
 from minipaged.model import ModelConfig, random_model
-from minipaged.player import CELL, PALETTE, StepRecorder, draw_state, request_colours, show_steps
+from minipaged.player import (
+    CELL,
+    MAX_DELAY_MS,
+    PALETTE,
+    StepPlayer,
+    StepRecorder,
+    StepState,
+    _draw_state,
+    _request_colours,
+    show_steps,
+)
 from minipaged.sampling import SamplingParams
+from minipaged.scheduler import Request
 
 
 @pytest.fixture(scope="module")
@@ -93,10 +106,10 @@ def test_each_picture_draws_the_engines_state(recorded):
     """The pool grid of every step's picture: each block in the colour of the request whose
     table (read from the engine at that step) holds it, or free; shared ones outlined."""
     engine, trace, states, _ = recorded
-    colours = request_colours(trace)
+    colours = _request_colours(trace)
     for state, now in zip(trace, states):
         cells = re.findall(rf'<rect [^>]*width="{CELL}" [^>]*fill="([^"]+)" stroke="([^"]+)"',
-                           draw_state(state, colours))
+                           _draw_state(state, colours))
         assert len(cells) == engine.pool.num_blocks
         for block_id, (fill, stroke) in enumerate(cells):
             holders = [rid for rid, blocks in now["tables"].items() if block_id in blocks]
@@ -175,3 +188,186 @@ def test_the_player_takes_the_focus_and_keeps_a_legible_picture_on_a_narrow_scre
     assert re.search(r'<figure class="mp-player" id="[^"]+" tabindex="0"', page)
     assert 'root.addEventListener("keydown"' in page
     assert "min-width: 600px" in page and ".mp-frame { overflow-x: auto; }" in page
+
+
+# --- bad input (issue 46): every public name checks its arguments; the rest is private ---
+def test_the_players_public_names_are_the_ones_a_chapter_calls():
+    """The drawing helpers and checks are private: a player checks its trace once, before
+    they run, so a public name never draws a value it was not given whole."""
+    from minipaged import engine_player, player
+    public = {module.__name__: {name for name, value in vars(module).items()
+                                if callable(value) and not name.startswith("_")
+                                and getattr(value, "__module__", None) == module.__name__}
+              for module in (player, engine_player)}
+    assert public == {"minipaged.player": {"StepState", "StepRecorder", "StepPlayer", "show_steps"},
+                      "minipaged.engine_player": {"EngineRecorder"}}
+    assert not hasattr(StepPlayer, "frame")
+
+
+def one_table_state() -> StepState:
+    """A pool of 8 blocks in which table 'a' holds blocks 0 and 1; the rest are free."""
+    pool, tables = BlockPool(num_blocks=8, block_size=4), {}
+    tables["a"] = BlockTable(pool)
+    tables["a"].ensure_capacity(8)
+    return StepRecorder(pool, tables).record()
+
+
+@pytest.mark.parametrize(("field", "fields"), [
+    ("step", dict(step="x")), ("step", dict(step=-1)), ("step", dict(step=True)),
+    ("events", dict(events=None)), ("events", dict(events=(5,))), ("events", dict(events=["a"])),
+    ("ref_cnts", dict(ref_cnts=None)), ("ref_cnts", dict(ref_cnts=("x",) * 8)),
+    ("ref_cnts", dict(ref_cnts=(-1,) * 8)), ("ref_cnts", dict(ref_cnts=(1.0,) * 8)),
+    ("cached", dict(cached=())), ("cached", dict(cached=(None,) * 8)),
+    ("cached", dict(cached=(0,) * 8)),
+    ("free_queue", dict(free_queue=None)), ("free_queue", dict(free_queue=(True,))),
+    ("free_queue", dict(free_queue=(2.0,))), ("free_queue", dict(free_queue=(99,))),
+    ("free_queue", dict(free_queue=(-1,))), ("free_queue", dict(free_queue=(3, 3))),
+    (r"free_queue holds block 0, whose ref_cnt is 1", dict(free_queue=(0,))),
+    ("tables", dict(tables=None)), ("tables", dict(tables={5: (0,)})),
+    (r"tables\['a'\]", dict(tables={"a": None})), (r"tables\['a'\]", dict(tables={"a": (99,)})),
+    (r"tables\['a'\] holds block 0 twice", dict(tables={"a": (0, 0)})),
+    (r"tables: block 5 is in 1 table, but its ref_cnt is 0", dict(tables={"a": (5,)})),
+    (r"tables: block 0 is in 2 tables", dict(tables={"a": (0, 1), "b": (0,)})),
+    ("queues", dict(queues=None)), (r"queues\['w'\]", dict(queues={"w": None})),
+    (r"queues\['w'\]", dict(queues={"w": (1,)})), ("queues", dict(queues={5: ("a",)})),
+    ("more_tables", dict(more_tables=None)),
+    (r"more_tables\['h'\]", dict(more_tables={"h": None})),
+    (r"more_tables\['h'\]\['a'\] holds block -1", dict(more_tables={"h": {"a": (-1,)}})),
+    (r"more_tables\['h'\]\['a'\] holds block 1 twice", dict(more_tables={"h": {"a": (1, 1)}})),
+])
+def test_a_state_no_pool_could_have_left_is_refused_by_its_field(field, fields):
+    with pytest.raises(ValueError, match=rf"StepState\.{field}"):
+        dataclasses.replace(one_table_state(), **fields)
+
+
+def test_a_state_of_numpy_counts_is_a_state_and_a_player_opens_at_a_numpy_step():
+    state = StepState(np.int64(0), (), (np.int64(1),) + (0,) * 7, (np.bool_(False),) * 8,
+                      (np.int64(1), 2), {"a": (np.int64(0),)})
+    page = show_steps([state, one_table_state()], start=np.int64(1))._repr_html_()
+    assert "show(1)" in page and page.count('<div class="mp-frame"') == 2
+    with pytest.raises(ValueError, match="start"):
+        show_steps([state], start=np.bool_(False))
+
+
+def test_more_tables_are_another_pools_so_their_ids_may_pass_the_device_pool():
+    state = dataclasses.replace(one_table_state(), more_tables={"host": {"a": (99,)}})
+    assert ">99</text>" in show_steps([state])._repr_html_()
+
+
+@pytest.mark.parametrize(("field", "change"), [
+    (r"trace\[0\]\.tables\['a'\]", lambda s: s.tables.__setitem__("a", None)),
+    (r"trace\[0\]\.tables\['a'\] holds block 99", lambda s: s.tables.__setitem__("a", (99,))),
+    (r"trace\[0\]\.queues\['w'\]", lambda s: s.queues.__setitem__("w", (1,))),
+    (r"trace\[0\]\.more_tables\['h'\]", lambda s: s.more_tables.__setitem__("h", None)),
+    (r"trace\[0\]\.more_tables names 'zz'",
+     lambda s: s.more_tables.__setitem__("h", {"zz": (1,)})),
+])
+def test_a_player_reads_each_step_again_as_it_is_made_and_as_it_is_shown(field, change):
+    """A state is frozen, its dicts are not: one changed in place is refused by the player made
+    after, and by a player made before, when it is shown."""
+    early = one_table_state()
+    player = show_steps([early])
+    change(early)
+    with pytest.raises(ValueError, match=field):
+        player._repr_html_()
+    late = one_table_state()
+    change(late)
+    with pytest.raises(ValueError, match=field):
+        show_steps([late])
+
+
+def test_a_player_whose_fields_were_changed_refuses_to_show():
+    player = show_steps([one_table_state()])
+    player.trace.append(None)
+    with pytest.raises(ValueError, match=r"trace\[1\] must be a StepState"):
+        player._repr_html_()
+    player = StepPlayer([one_table_state()])
+    player.delay_ms = 10**30
+    with pytest.raises(ValueError, match="delay_ms"):
+        player._repr_html_()
+
+
+@pytest.mark.parametrize("delay_ms", [0, -1, 1.5, True, None, "700", 60_001, 2**31, 10**30])
+def test_a_delay_that_is_not_whole_milliseconds_up_to_a_minute_is_refused(delay_ms):
+    with pytest.raises(ValueError, match="delay_ms"):
+        StepPlayer([one_table_state()], delay_ms=delay_ms)
+
+
+def test_a_delay_of_a_minute_reaches_the_script():
+    page = StepPlayer([one_table_state()], delay_ms=np.int64(MAX_DELAY_MS))._repr_html_()
+    assert f"\n                        {MAX_DELAY_MS});" in page
+
+
+@pytest.mark.parametrize(("field", "tables"), [
+    ("request ids", lambda pool: {5: BlockTable(pool)}),
+    (r"block_tables\['a'\] is a table of another pool",
+     lambda pool: {"a": BlockTable(BlockPool(num_blocks=pool.num_blocks, block_size=4))}),
+    (r"block_tables\['a'\] must be a BlockTable", lambda pool: {"a": [0, 1]}),
+])
+def test_a_recorder_refuses_a_table_it_could_not_read_when_made_and_when_it_joins(field, tables):
+    pool = BlockPool(num_blocks=8, block_size=4)
+    with pytest.raises(ValueError, match=field):
+        StepRecorder(pool, tables(pool))
+    live = {}
+    recorder = StepRecorder(pool, live)
+    live.update(tables(pool))
+    with pytest.raises(ValueError, match=field):
+        recorder.record("x")
+    assert recorder.trace == []
+
+
+@pytest.mark.parametrize(("field", "before", "after"), [
+    ("before must be a StepState", None, "state"),
+    ("after must be a StepState", "state", "dict"),
+    (r"before\.tables\['a'\]", "mutated", "state"),
+])
+def test_tables_say_refuses_what_is_not_a_state(field, before, after):
+    recorder, mutated = StepRecorder(BlockPool(num_blocks=8, block_size=4), {}), one_table_state()
+    mutated.tables["a"] = "ab"
+    pick = {"state": one_table_state(), "mutated": mutated, "dict": {}, None: None}
+    with pytest.raises(ValueError, match=field):
+        recorder.tables_say(pick[before], pick[after])
+
+
+BAD_BEFORE = [  # what a step's changes are measured from, given wrong: (field, build)
+    ("before must be what read_before", lambda r, s: None),
+    ("before must be what read_before", lambda r, s: {"requests": [r]}),
+    ("keyed by Request", lambda r, s: {"requests": {"A": (s, 0, 0)}}),
+    (r"\['A'\] must be \(status", lambda r, s: {"requests": {r: ("x", "y", "z")}}),
+    (r"\['A'\] must be \(status", lambda r, s: {"requests": {r: (None, None, None)}}),
+    (r"\['A'\] must be \(status", lambda r, s: {"requests": {r: [s, 0, 0]}}),
+    (r"\['A'\]'s computed tokens must be an integer", lambda r, s: {"requests": {r: (s, 0.5, 0)}}),
+    (r"\['A'\]'s computed tokens must be an integer", lambda r, s: {"requests": {r: (s, -5, 0)}}),
+    (r"\['A'\]'s computed tokens must be at most", lambda r, s: {"requests": {r: (s, 10**30, 0)}}),
+    (r"\['A'\]'s preemptions must be an integer", lambda r, s: {"requests": {r: (s, 0, -1)}}),
+    (r"\['A'\]'s preemptions must be at most 0", lambda r, s: {"requests": {r: (s, 0, 1)}}),
+    ("a request this engine does not hold",
+     lambda r, s: {"requests": {Request("A", [1, 2], SamplingParams()): (s, 0, 0)}}),
+]
+
+
+@pytest.mark.parametrize(("field", "build"), BAD_BEFORE)
+def test_changes_refuses_counts_no_request_of_the_engine_had(model, field, build):
+    """EngineRecorder.changes, the method later chapters extend, checks its before; the run
+    then goes on to the end, recorded as it would have been."""
+    engine = starved_engine(model)
+    recorder = EngineRecorder(engine)
+    recorder.record("before")
+    recorder.step()
+    request = engine.requests["A"]
+    with pytest.raises(ValueError, match=field):
+        recorder.changes(build(request, request.status))
+    assert len(recorder.trace) == 2
+    recorder.run()
+    assert not engine.has_unfinished_requests()
+    assert [s.step for s in recorder.trace] == list(range(engine.num_steps + 1))
+
+
+def test_changes_reads_numpy_counts_as_counts(model):
+    engine = starved_engine(model)
+    recorder = EngineRecorder(engine)
+    before = recorder.read_before()
+    engine.step()
+    as_numpy = {"requests": {r: (s, np.int64(c), np.int64(p))
+                             for r, (s, c, p) in before["requests"].items()}}
+    assert recorder.changes(as_numpy) == recorder.changes(before) != []

@@ -11,8 +11,6 @@ import pytest
 import torch
 
 import minipaged
-from minipaged import engine_player as EP
-from minipaged import player as P
 from minipaged import serving as S
 from minipaged.blocks import BlockPool, BlockTable
 from minipaged.engine import LLMEngine
@@ -332,8 +330,12 @@ def test_a_recorder_refuses_a_table_of_another_larger_pool():
     small, big = BlockPool(8, 4), BlockPool(32, 4)
     table = BlockTable(big)
     table.blocks += big.get_new_blocks(20)
-    recorder = StepRecorder(small, {"a": table})
-    with pytest.raises(ValueError, match=r"block_tables\['a'\] holds block 8"):
+    with pytest.raises(ValueError, match=r"block_tables\['a'\] is a table of another pool"):
+        StepRecorder(small, {"a": table})
+    tables = {}
+    recorder = StepRecorder(small, tables)
+    tables["a"] = table  # the mapping is live: a table that joins it later is read again
+    with pytest.raises(ValueError, match=r"block_tables\['a'\] is a table of another pool"):
         recorder.record()
     assert recorder.trace == []
 
@@ -362,7 +364,7 @@ def one_state(num_blocks=8, **fields) -> StepState:
     ("one pool", lambda: show_steps([one_state(8), one_state(32)])),
     (r"tables\['a'\] holds block 9", lambda: show_steps([one_state(tables={"a": (9,)})])),
     ("free_queue", lambda: show_steps([one_state(free_queue=(0, -1))])),
-    ("not strings", lambda: show_steps([one_state(events=(1,))])),
+    ("events must be a tuple of strings", lambda: show_steps([one_state(events=(1,))])),
     ("more_tables", lambda: show_steps([one_state(more_tables={"host": {"x": (0,)}})])),
     ("start", lambda: show_steps([one_state()], start=True)),
     ("start", lambda: show_steps([one_state()], start=1)),
@@ -448,13 +450,12 @@ def test_swap_space_is_refused_above_70_and_warned_above_40_percent(monkeypatch)
     ("clock", lambda: serve(engine(), small_trace(), clock=lambda: None)),
     ("clock", lambda: serve(engine(), small_trace(), clock=lambda: NAN)),
     ("events", lambda: StepRecorder(BlockPool(4, 4), {}).read(None)),
-    ("state", lambda: P.describe(None)),
-    ("state", lambda: P.draw_state("state", {})),
-    ("state", lambda: P.owners(3)),
-    ("before", lambda: P.table_changes(None, one_state())),
-    (r"trace\[0\]", lambda: P.request_colours([1])),
-    ("trace", lambda: P.request_colours("ab")),
-    ("before", lambda: EP.request_changes([1])),
+    ("before", lambda: StepRecorder(BlockPool(4, 4), {}).tables_say(None, one_state())),
+    ("after", lambda: StepRecorder(BlockPool(4, 4), {}).tables_say(one_state(), "state")),
+    (r"StepState.tables must be a dict", lambda: one_state(tables=None)),
+    (r"trace\[0\]", lambda: show_steps([1])),
+    ("trace", lambda: show_steps("ab")),
+    ("before", lambda: EngineRecorder_changes([1])),
     ("before", lambda: EngineRecorder_changes({})),
 ])
 def test_the_sweep_s_findings_are_refused_by_name(field, call):
