@@ -1,0 +1,150 @@
+"""Chapter 14's 8-bit formats, cache and kernels against references: torch's own float8 casts,
+the widen-then-attend reference, and the fp32 layer they came from."""
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from minipaged.quantized import (
+    E4M3_MAX,
+    FORMAT_IDS,
+    FORMATS,
+    QuantizedKVCache,
+    _fp8_to_float,
+    check_kv_cache_dtype,
+    check_kv_scale,
+    dequantize_layer,
+    e4m3_to_float,
+    e5m2_to_fp16,
+    float_to_e4m3,
+    fp16_to_e5m2,
+    int8_dequantize,
+    int8_quantize,
+    quantized_paged_attention,
+    quantized_store_kv,
+)
+
+EVERY_CODE = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+EVERY_FP16 = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.float16)
+
+
+def same(a, b):
+    """Equal, NaN where the other is NaN."""
+    return bool(((a == b) | (a.isnan() & b.isnan())).all())
+
+
+def test_e5m2_is_torchs_cast_for_every_fp16_and_every_code():
+    ours, torchs = fp16_to_e5m2(EVERY_FP16), EVERY_FP16.to(torch.float8_e5m2).view(torch.uint8)
+    finite = ~EVERY_FP16.isnan()
+    assert torch.equal(ours[finite], torchs[finite])
+    assert bool(e5m2_to_fp16(ours[~finite]).isnan().all())
+    assert same(e5m2_to_fp16(EVERY_CODE), EVERY_CODE.view(torch.float8_e5m2).half())
+
+
+def test_e4m3_is_torchs_cast_after_clipping_to_448():
+    assert same(e4m3_to_float(EVERY_CODE), EVERY_CODE.view(torch.float8_e4m3fn).float())
+    values = torch.cat([EVERY_FP16.float()[~EVERY_FP16.isnan()],
+                        torch.randn(10000) * torch.exp(3 * torch.randn(10000)),
+                        torch.tensor([448.0, 449.0, 464.0, 1e9, -1e9, 2.0**-9, 2.0**-10])])
+    ours = float_to_e4m3(values)
+    assert torch.equal(ours, values.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+                       .view(torch.uint8))
+    assert float(e4m3_to_float(float_to_e4m3(torch.tensor([1e6]))).item()) == E4M3_MAX  # clipped
+
+
+def test_int8_round_trip_is_within_half_a_step_and_uses_the_full_range():
+    x = torch.randn(50, 2, 64) * torch.rand(50, 2, 1) * 10
+    codes, scales = int8_quantize(x)
+    assert bool(((int8_dequantize(codes, scales) - x).abs() <= scales[..., None] / 2 + 1e-5).all())
+    assert bool((codes.view(torch.int8).abs().amax(-1) == 127).all())
+    zero_codes, zero_scales = int8_quantize(torch.zeros(1, 1, 8))  # a zero head: scale floor
+    assert bool((zero_scales > 0).all()) and bool((zero_codes == 0).all())
+
+
+@triton.jit
+def _widen_kernel(codes_ptr, out_ptr, FORMAT: tl.constexpr):
+    offsets = tl.arange(0, 256)
+    tl.store(out_ptr + offsets, _fp8_to_float(tl.load(codes_ptr + offsets), FORMAT))
+
+
+@pytest.mark.parametrize("name,torch_dtype", [("fp8_e5m2", torch.float8_e5m2),
+                                              ("fp8_e4m3", torch.float8_e4m3fn)])
+def test_the_kernels_integer_widening_matches_torch_for_all_256_codes(name, torch_dtype):
+    out = torch.empty(256)
+    _widen_kernel[(1,)](EVERY_CODE, out, FORMAT=FORMAT_IDS[name])
+    assert same(out, EVERY_CODE.view(torch_dtype).float())
+
+
+def random_batch(kv_format, block_size, lens, query_lens, num_kv_heads=2, group=3, head_dim=16,
+                 k_scale=0.5, v_scale=0.25, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    blocks = [-(-length // block_size) for length in lens]
+    cache = QuantizedKVCache(1, sum(blocks) + 2, block_size, num_kv_heads, head_dim, kv_format)
+    cache.layers[0].copy_(torch.randint(0, 120, cache.layers[0].shape, generator=generator))
+    order = torch.randperm(sum(blocks) + 2, generator=generator).tolist()
+    tables = [[order.pop() for _ in range(n)] + [0] * (max(blocks) - n) for n in blocks]
+    for table, length in zip(tables, lens):
+        positions = torch.arange(length)
+        slots = torch.tensor(table)[positions // block_size] * block_size + positions % block_size
+        keys, values = torch.randn(2, length, num_kv_heads, head_dim, generator=generator)
+        quantized_store_kv(keys, values, cache.layers[0], slots, kv_format, k_scale, v_scale)
+    query = torch.randn(sum(query_lens), num_kv_heads * group, head_dim, generator=generator)
+    starts = torch.tensor([0, *query_lens]).cumsum(0)
+    return query, cache.layers[0], torch.tensor(tables), torch.tensor(lens), starts
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("name", sorted(FORMATS))
+@pytest.mark.parametrize("block_size", [1, 2, 16, 64, 256])
+def test_every_path_matches_the_widen_then_attend_reference(name, block_size):
+    kv_format = FORMATS[name]
+    for lens, query_lens in [([5, 37, 1], [1, 1, 1]), ([20, 9, 300], [7, 9, 33])]:
+        batch = random_batch(kv_format, block_size, lens, query_lens)
+        reference = quantized_paged_attention(*batch, kv_format, 0.5, 0.25, backend="torch")
+        for backend in ("batched", "triton"):
+            out = quantized_paged_attention(*batch, kv_format, 0.5, 0.25, backend=backend)
+            torch.testing.assert_close(out, reference, atol=2e-5, rtol=2e-5)
+
+
+def test_scales_ride_in_the_block_so_a_block_copy_moves_them():
+    kv_format = FORMATS["int8_per_token_head"]
+    cache = QuantizedKVCache(1, 3, 4, 2, 8, kv_format)
+    keys = torch.randn(4, 2, 8) * 5
+    quantized_store_kv(keys, keys, cache.layers[0], torch.arange(4), kv_format)
+    cache.layers[0][2] = cache.layers[0][0]  # what chapter 10's block copy does to a block
+    widened = dequantize_layer(cache.layers[0], kv_format, 2, 8)
+    assert torch.equal(widened[2], widened[0])
+    assert (widened[0, 0].view(4, 2, 8) - keys).abs().max() < keys.abs().max() / 100
+
+
+def test_the_codes_take_one_byte_per_number_plus_the_scales():
+    for name, kv_format in FORMATS.items():
+        cache = QuantizedKVCache(2, 10, 16, 2, 64, kv_format)
+        per_slot = 2 * (64 + kv_format.scale_bytes)
+        assert cache.num_bytes == 2 * 10 * 2 * 16 * per_slot
+
+
+def test_bad_input_is_refused_before_anything_changes():
+    for bad in ["fp8_inc", "nvfp4", "float16", None, 8]:
+        with pytest.raises(ValueError, match="kv_cache_dtype"):
+            check_kv_cache_dtype(bad)
+    assert check_kv_cache_dtype("fp8") is FORMATS["fp8_e4m3"] and check_kv_cache_dtype("auto") \
+        is None
+    for bad in [0, 0.0, -1.0, float("nan"), float("inf"), True, "1"]:
+        with pytest.raises(ValueError, match="k_scale"):
+            check_kv_scale("k_scale", bad)
+    kv_format = FORMATS["fp8_e4m3"]
+    cache = QuantizedKVCache(1, 2, 4, 2, 8, kv_format)
+    before = cache.layers[0].clone()
+    key = torch.ones(2, 2, 8)
+    with pytest.raises(ValueError, match="k_scale"):
+        quantized_store_kv(key, key, cache.layers[0], [0, 1], kv_format, k_scale=float("nan"))
+    with pytest.raises(ValueError, match="slot_mapping"):
+        quantized_store_kv(key, key, cache.layers[0], [0, 8], kv_format)
+    fp16_layer = torch.zeros(2, 2, 4, 16, dtype=torch.float16)
+    with pytest.raises(ValueError, match="uint8"):
+        quantized_store_kv(key, key, fp16_layer, [0, 1], kv_format)
+    with pytest.raises(ValueError, match="uint8"):
+        quantized_paged_attention(torch.ones(1, 4, 8), fp16_layer, [[0]], [1], [0, 1], kv_format,
+                                  backend="triton")
+    assert torch.equal(cache.layers[0], before)
