@@ -118,7 +118,7 @@ def test_scales_ride_in_the_block_so_a_block_copy_moves_them():
 
 
 def test_the_codes_take_one_byte_per_number_plus_the_scales():
-    for name, kv_format in FORMATS.items():
+    for kv_format in FORMATS.values():
         cache = QuantizedKVCache(2, 10, 16, 2, 64, kv_format)
         per_slot = 2 * (64 + kv_format.scale_bytes)
         assert cache.num_bytes == 2 * 10 * 2 * 16 * per_slot
