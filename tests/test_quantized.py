@@ -206,3 +206,45 @@ def test_llm_takes_kv_cache_dtype_as_vllm_spells_it_and_refuses_the_rest():
                             "kv_cache_dtype")]:
         with pytest.raises(ValueError, match=field):
             QuantizedLLM(seed=0, device="cpu", num_gpu_blocks_override=32, **options)
+
+
+FP8_PROBE = '''
+import triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+@triton.jit
+def cast(x_ptr, y_ptr, E4M3: tl.constexpr):
+    offsets = tl.arange(0, 16)
+    x = tl.load(x_ptr + offsets)
+    y = x.to(tl.float8e4nv) if E4M3 else x.to(tl.float8e5)
+    tl.store(y_ptr + offsets, y.to(tl.float16))
+
+for capability in (75, 80, 89):
+    for e4m3 in (True, False):
+        try:
+            signature = {"x_ptr": "*fp16", "y_ptr": "*fp16", "E4M3": "constexpr"}
+            triton.compile(ASTSource(cast, signature, {"E4M3": e4m3}, {}),
+                           target=GPUTarget("cuda", capability, 32))
+            print(capability, e4m3, "compiles")
+        except Exception:
+            print(capability, e4m3, "refused")
+'''
+
+
+@pytest.mark.heavy
+def test_triton_has_no_e4m3_type_below_8_9_which_is_why_the_kernels_use_integer_moves(
+        tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    probe = tmp_path / "probe.py"  # @triton.jit wants its source in a file
+    probe.write_text(FP8_PROBE)
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    run = subprocess.run([sys.executable, str(probe)], capture_output=True, text=True, env=env,
+                         timeout=600)
+    if run.returncode:
+        pytest.skip(f"triton cannot compile for CUDA here: {run.stderr[-300:]}")
+    lines = set(run.stdout.split("\n"))
+    assert {"75 True refused", "80 True refused", "89 True compiles"} <= lines, run.stdout
