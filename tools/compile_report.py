@@ -107,7 +107,6 @@ class Recorder:
 
 
 KERNELS = ("_decode_kernel", "_merge_splits_kernel", "_extend_kernel", "_store_kv_kernel")
-KERNELS_8BIT = ("_decode_kernel_8bit", "_merge_splits_kernel", "_extend_kernel_8bit")  # chapter 14
 
 
 def recorded(wrapper, target: K.Target, *args, **kwargs) -> list[Launch]:
@@ -117,10 +116,21 @@ def recorded(wrapper, target: K.Target, *args, **kwargs) -> list[Launch]:
         for name in KERNELS:
             recorder = Recorder(getattr(K, name), launches)
             stack.enter_context(mock.patch.object(K, name, recorder))
+        stack.enter_context(mock.patch.object(K, "device_target", lambda device: target))
+        wrapper(*args, **kwargs)
+    return launches
+
+
+KERNELS_8BIT = ("_decode_kernel_8bit", "_merge_splits_kernel", "_extend_kernel_8bit")
+
+
+def recorded_8bit(wrapper, target: K.Target, *args, **kwargs) -> list[Launch]:
+    """recorded() for chapter 14's 8-bit kernels, which minipaged.quantized launches."""
+    launches: list[Launch] = []
+    with contextlib.ExitStack() as stack:
         for name in KERNELS_8BIT:
             stack.enter_context(mock.patch.object(Q, name, Recorder(getattr(Q, name), launches)))
-        for module in (K, Q):
-            stack.enter_context(mock.patch.object(module, "device_target", lambda device: target))
+        stack.enter_context(mock.patch.object(Q, "device_target", lambda device: target))
         wrapper(*args, **kwargs)
     return launches
 
@@ -157,11 +167,11 @@ def example_launches_8bit(target: K.Target, head_dim: int = 64) -> dict[str, Lau
         tables = torch.arange(cache.shape[0], dtype=torch.int32).reshape(seqs, -1)
         seq_lens = torch.full((seqs,), context, dtype=torch.int32)
         query = torch.empty(seqs, 14, head_dim, dtype=torch.float16)
-        launches[f"decode, {name}"] = recorded(
+        launches[f"decode, {name}"] = recorded_8bit(
             Q.triton_quantized_attention, target, query, cache, tables, seq_lens,
             torch.arange(seqs + 1), kv_format)[0]  # its merge is chapter 5's, in the table
         tokens = torch.empty(4 * 16, 14, head_dim, dtype=torch.float16)
-        launches[f"extend, {name}"], = recorded(
+        launches[f"extend, {name}"], = recorded_8bit(
             Q.triton_quantized_attention, target, tokens, cache, tables[:4], seq_lens[:4],
             torch.arange(0, 65, 16), kv_format)
     return launches
