@@ -248,3 +248,24 @@ def test_triton_has_no_e4m3_type_below_8_9_which_is_why_the_kernels_use_integer_
         pytest.skip(f"triton cannot compile for CUDA here: {run.stderr[-300:]}")
     lines = set(run.stdout.split("\n"))
     assert {"75 True refused", "80 True refused", "89 True compiles"} <= lines, run.stdout
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_chapter_10s_block_copy_and_chapter_11s_swap_move_codes_and_scales_together(name):
+    from minipaged.sharing import copy_blocks
+    from minipaged.swap import HostKVCache
+
+    kv_format = FORMATS[name]
+    cache = QuantizedKVCache(2, 6, 4, 2, 8, kv_format)
+    keys = torch.randn(8, 2, 8) * 3
+    for layer in cache.layers:
+        quantized_store_kv(keys, -keys, layer, torch.arange(8), kv_format, 0.5, 0.5)
+    before = [dequantize_layer(layer, kv_format, 2, 8, 0.5, 0.5)[:2] for layer in cache.layers]
+    copy_blocks(cache, [0, 1], [2, 3])  # chapter 10's Triton copy, under the interpreter here
+    host = HostKVCache(4, 4)
+    host.swap_out_blocks(cache, [(2, 0), (3, 1)])
+    for layer in cache.layers:
+        layer[2:4] = 0  # the device blocks are reused by someone else meanwhile
+    host.swap_in_blocks(cache, [(0, 4), (1, 5)])
+    for layer, want in zip(cache.layers, before):
+        assert torch.equal(dequantize_layer(layer, kv_format, 2, 8, 0.5, 0.5)[4:6], want)
