@@ -41,6 +41,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 from minipaged import kernels as K  # noqa: E402
+from minipaged import quantized as Q  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 CSV_PATH = ROOT / "bench" / "results" / "compile_report.csv"
@@ -120,6 +121,20 @@ def recorded(wrapper, target: K.Target, *args, **kwargs) -> list[Launch]:
     return launches
 
 
+KERNELS_8BIT = ("_decode_kernel_8bit", "_merge_splits_kernel", "_extend_kernel_8bit")
+
+
+def recorded_8bit(wrapper, target: K.Target, *args, **kwargs) -> list[Launch]:
+    """recorded() for chapter 14's 8-bit kernels, which minipaged.quantized launches."""
+    launches: list[Launch] = []
+    with contextlib.ExitStack() as stack:
+        for name in KERNELS_8BIT:
+            stack.enter_context(mock.patch.object(Q, name, Recorder(getattr(Q, name), launches)))
+        stack.enter_context(mock.patch.object(Q, "device_target", lambda device: target))
+        wrapper(*args, **kwargs)
+    return launches
+
+
 def example_launches(target: K.Target, head_dim: int = 64) -> dict[str, Launch]:
     """The wrappers' launches for Qwen2.5-0.5B's heads (2 KV heads, groups of 7) in fp16."""
     seqs, context, block_size, width = 8, 2048, 16, 2 * head_dim
@@ -143,6 +158,25 @@ def example_launches(target: K.Target, head_dim: int = 64) -> dict[str, Launch]:
     return launches
 
 
+def example_launches_8bit(target: K.Target, head_dim: int = 64) -> dict[str, Launch]:
+    """Chapter 14's decode and extend over each 8-bit format, at example_launches' shapes."""
+    seqs, context, block_size, launches = 8, 2048, 16, {}
+    for name, kv_format in Q.FORMATS.items():
+        cache = torch.empty(seqs * context // block_size, 2, block_size,
+                            2 * (head_dim + kv_format.scale_bytes), dtype=torch.uint8)
+        tables = torch.arange(cache.shape[0], dtype=torch.int32).reshape(seqs, -1)
+        seq_lens = torch.full((seqs,), context, dtype=torch.int32)
+        query = torch.empty(seqs, 14, head_dim, dtype=torch.float16)
+        launches[f"decode, {name}"] = recorded_8bit(
+            Q.triton_quantized_attention, target, query, cache, tables, seq_lens,
+            torch.arange(seqs + 1), kv_format)[0]  # its merge is chapter 5's, in the table
+        tokens = torch.empty(4 * 16, 14, head_dim, dtype=torch.float16)
+        launches[f"extend, {name}"], = recorded_8bit(
+            Q.triton_quantized_attention, target, tokens, cache, tables[:4], seq_lens[:4],
+            torch.arange(0, 65, 16), kv_format)
+    return launches
+
+
 # ---- compiled, as the JIT would compile them ----
 
 def _tool(name: str, *args: str) -> str:
@@ -152,7 +186,7 @@ def _tool(name: str, *args: str) -> str:
 
 
 POINTER_TYPES = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32",
-                 torch.int32: "*i32", torch.int64: "*i64"}
+                 torch.int32: "*i32", torch.int64: "*i64", torch.uint8: "*u8"}
 
 
 def _specialize(value) -> tuple[str, bool]:
@@ -210,6 +244,7 @@ def table_launches(capability: int, head_dim: int, first_head_dim: int) -> dict[
     launches = example_launches(K.Target(capability, GPU_SMS[capability]), head_dim)
     if head_dim != first_head_dim:  # other head sizes: the looping kernels only
         return {name: launches[name] for name in looping}
+    launches |= example_launches_8bit(K.Target(capability, GPU_SMS[capability]), head_dim)
     if capability >= 80:
         del launches["decode, per-tile lookup"]  # compared on the T4
         return launches

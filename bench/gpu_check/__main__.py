@@ -57,7 +57,7 @@ from gpu_check.common import ROOT, RowWriter, now, slug, write_json  # noqa: E40
 PLAN = [("env", 15), ("kernel_tests", 60), ("kernels", 75), ("hub", 40), ("engine", 70),
         ("syncs", 25), ("prefix", 40), ("serving", 90)]
 PARALLEL = ["chapter_01", "chapter_05", "chapter_05b", "chapter_06", "chapter_06b", "chapter_07",
-            "chapter_07b", "chapter_07c", "chapter_08", "chapter_09", "chapter_11"]
+            "chapter_07b", "chapter_07c", "chapter_08", "chapter_09", "chapter_11", "chapter_14"]
 SKIP_CODE = 3  # a worker's exit status meaning "skipped: does not apply here"
 STAGE_FIELDS = ["stage", "status", "seconds", "timeout_s", "returncode", "note"]
 BUDGET = 480

@@ -557,7 +557,7 @@ CHAPTERS = {"chapter_01": "01_kv_memory", "chapter_05": "05_paged_attention",
             "chapter_07": "07_scheduler",
             "chapter_07b": "07_the_llm", "chapter_07c": "07_under_load",
             "chapter_08": "08_prefix_caching", "chapter_09": "09_cache_salt",
-            "chapter_11": "11_swap"}
+            "chapter_11": "11_swap", "chapter_14": "14_eight_bit_cache"}
 DRY_CELLS = 3  # the dry run executes the first cells of each chapter: setup, runtime, a check
 
 
