@@ -15,6 +15,7 @@ from minipaged.sampling import SamplingParams
 from minipaged.scheduler import KVCacheManager, Request, Scheduler, needs_sample
 from minipaged.serving import (
     SERVING_ENGINES,
+    HostCost,
     MaxReservationManager,
     OracleReservationManager,
     Pow2ReservationManager,
@@ -24,11 +25,11 @@ from minipaged.serving import (
     Trace,
     arrival_times,
     make_trace,
+    projected_sweep,
     request_metrics,
     run_summary,
     serve,
     sustained_rate,
-    t4_host_seconds_per_step,
 )
 
 RESERVATIONS = [MaxReservationManager, Pow2ReservationManager, OracleReservationManager]
@@ -39,11 +40,11 @@ def reserved_tokens(manager_cls, prompt, output, max_model_len):
     final = min(prompt + output, max_model_len)
     if manager_cls is MaxReservationManager:
         return max_model_len
-    if manager_cls is Pow2ReservationManager:
+    if manager_cls is Pow2ReservationManager:  # the paper's: the output rounded up, not the prompt
         power = 1
-        while power < final:
+        while power < output:
             power *= 2
-        return min(power, max_model_len)
+        return min(prompt + power, max_model_len)
     return final
 
 
@@ -204,7 +205,7 @@ def test_the_simulated_engine_schedules_as_the_real_engine_does(name):
     config = ModelConfig(64, 32, 32, 1, 2, 1, 16, 512)
     model = random_model(config, seed=0)
     trace = make_trace(16, rate=400.0, seed=5, max_model_len=128, median=20, mean=30)
-    cost = StepCost(QWEN2_5_0_5B, host_seconds=0.002)
+    cost = StepCost(QWEN2_5_0_5B, HostCost(24, per_request_seconds=1e-4))
     options = dict(block_size=16, max_model_len=128, kv_cache_manager_cls=manager_cls,
                    scheduler_cls=scheduler_cls)
     real = serve(LLMEngine(model, num_gpu_blocks=24, max_num_batched_tokens=64, **options),
@@ -219,17 +220,48 @@ def test_step_cost_is_bytes_over_bandwidth_plus_flops_over_peak_plus_host():
     for name, prompt in [("a", 30), ("b", 70)]:
         scheduler.add_request(Request(name, [0] * prompt, SamplingParams()))
     out = scheduler.schedule()
-    cost = StepCost(QWEN2_5_0_5B, host_seconds=0.01)
+    host = HostCost(24, kernels_per_layer=10, launch_seconds=1e-5, per_request_seconds=2e-5)
+    cost = StepCost(QWEN2_5_0_5B, host)
     moved = sum(decode_step_bytes(QWEN2_5_0_5B, 1, 100).values())
     flops = 2 * QWEN2_5_0_5B.num_params * 100
-    assert cost(out) == pytest.approx(moved / 320e9 + flops / 65e12 + 0.01)
+    host_seconds = 24 * 10 * 1e-5 + 2 * 2e-5  # launches, plus two running requests
+    assert cost(out) == pytest.approx(moved / 320e9 + flops / 65e12 + host_seconds)
+    assert StepCost(QWEN2_5_0_5B, host.scaled(0))(out) == pytest.approx(moved / 320e9
+                                                                         + flops / 65e12)
 
 
-def test_host_cost_is_read_from_the_estimate_csv(tmp_path):
-    path = tmp_path / "t4_estimate.csv"
-    path.write_text("chapter,host s/step\n02_fragmentation,\n07_scheduler,0.0123\n")
-    assert t4_host_seconds_per_step(path) == 0.0123
-    assert t4_host_seconds_per_step(tmp_path / "missing.csv") is None
+def test_pow2_reserves_the_prompt_plus_a_power_of_two_of_the_output():
+    """The paper's Orca (Pow2): 100 + 60 reserves 100 + 64 = 164 tokens, not 256."""
+    manager = Pow2ReservationManager(BlockPool(256, 16))
+    manager.max_model_len = 2048
+    assert manager.reservation_tokens(Request("r", [0] * 100, SamplingParams(max_tokens=60))) == 164
+    assert manager.reservation_tokens(Request("r", [0] * 100, SamplingParams(max_tokens=25))) == 132
+    manager.max_model_len = 1000
+    capped = Request("r", [0] * 700, SamplingParams(max_tokens=300))  # 700 + 512 > 1000
+    assert manager.reservation_tokens(capped) == 1000
+
+
+@pytest.fixture(scope="module")
+def scarce_sweeps():
+    """The chapter's projected sweep of the scarce pool, at 1,000 and 2,000 requests."""
+    fractions = [2 ** (k / 2) for k in range(-6, 5)]
+    return {n: projected_sweep(8 * 2048 // 16, fractions, n) for n in (1000, 2000)}
+
+
+@pytest.mark.slow  # about half a minute of simulated scheduling
+def test_no_engine_sustains_more_than_its_throughput_with_the_queue_full(scarce_sweeps):
+    for result in scarce_sweeps.values():
+        for name in SERVING_ENGINES:
+            assert result["sustained"][name] <= result["flood"][name], name
+
+
+@pytest.mark.slow
+def test_the_ratios_hold_when_the_trace_doubles(scarce_sweeps):
+    short, long = (scarce_sweeps[n]["sustained"] for n in (1000, 2000))
+    first = next(iter(SERVING_ENGINES))
+    for name in list(SERVING_ENGINES)[1:]:
+        ratio_short, ratio_long = short[first] / short[name], long[first] / long[name]
+        assert ratio_long == pytest.approx(ratio_short, rel=0.10), name
 
 
 def test_sustained_rate_interpolates_the_crossing_on_log_latency():
