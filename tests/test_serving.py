@@ -14,7 +14,9 @@ from minipaged.reckoning import decode_step_bytes
 from minipaged.sampling import SamplingParams
 from minipaged.scheduler import KVCacheManager, Request, Scheduler, needs_sample
 from minipaged.serving import (
+    CONTIGUOUS_ENGINES,
     SERVING_ENGINES,
+    ContiguousMax,
     HostCost,
     MaxReservationManager,
     OracleReservationManager,
@@ -253,6 +255,8 @@ def test_no_engine_sustains_more_than_its_throughput_with_the_queue_full(scarce_
     for result in scarce_sweeps.values():
         for name in SERVING_ENGINES:
             assert result["sustained"][name] <= result["flood"][name], name
+            # the latency and keeping-up crossing itself, before the cap: within 5% of it
+            assert result["crossing"][name] <= 1.05 * result["flood"][name], name
 
 
 @pytest.mark.slow
@@ -300,3 +304,36 @@ def test_reservation_engines_run_on_the_real_engine():
     run = serve(engine, make_trace(10, 1e9, max_model_len=128, median=20, mean=30))
     assert [len(t) for t in run.token_times] == run.trace.output_lens.tolist()
     assert engine.scheduler.num_preemptions == 0
+
+
+def test_a_contiguous_reservation_is_one_run_and_waits_for_a_run_long_enough():
+    """First fit: adjacent blocks; a request whose run does not exist waits although enough
+    blocks are free in total (external fragmentation)."""
+    pool = BlockPool(12, 16)
+    scheduler = ReservingScheduler(ContiguousMax(pool), max_model_len=64)  # 4 blocks each
+    requests = [Request(str(i), [0] * 10, SamplingParams(max_tokens=5)) for i in range(3)]
+    for request in requests:
+        scheduler.add_request(request)
+    scheduler.schedule()
+    manager = scheduler.kv_cache_manager
+    ids = [[b.block_id for b in manager.get_block_table(r).blocks] for r in requests]
+    assert ids == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    manager.free(requests[0])
+    manager.free(requests[2])
+    held = Request("h", [0] * 10, SamplingParams(max_tokens=5))
+    assert manager.can_admit(held)  # a run of four at the start
+    assert manager.allocate_slots(held, 10) is not None
+    manager.free(requests[1])  # free: 4..11, one run of eight
+    assert manager.first_fit(held)[0] == 4
+
+
+def test_every_contiguous_engine_serves_a_trace_without_preempting():
+    for manager_cls, scheduler_cls in CONTIGUOUS_ENGINES.values():
+        engine = SimulatedEngine(64, 16, 256, kv_cache_manager_cls=manager_cls,
+                                 scheduler_cls=scheduler_cls)
+        run = serve(engine, make_trace(60, 50.0, max_model_len=256, median=40, mean=60),
+                    step_seconds=lambda out: 0.01)
+        assert [len(t) for t in run.token_times] == run.trace.output_lens.tolist()
+        assert engine.scheduler.num_preemptions == 0
+        assert engine.pool.get_num_free_blocks() == 64
+        assert bytes(engine.scheduler.kv_cache_manager.free_map) == b"\x01" * 64
