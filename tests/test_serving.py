@@ -337,3 +337,22 @@ def test_every_contiguous_engine_serves_a_trace_without_preempting():
         assert engine.scheduler.num_preemptions == 0
         assert engine.pool.get_num_free_blocks() == 64
         assert bytes(engine.scheduler.kv_cache_manager.free_map) == b"\x01" * 64
+
+
+def test_the_t4_clock_predicts_the_studys_starved_over_ample_loss():
+    """The study's 200 requests of 9 + 1,000 tokens on its ample and starved pools: the clock's
+    throughput lost to the starved pool within 10 points of the study's, and each throughput
+    within the chapter's factor of 3 (the clock prices the card at its peaks: fast)."""
+    from minipaged.reckoning import STUDY
+
+    def tps(pool_tokens):
+        trace = Trace(np.zeros(200), np.full(200, 9), np.full(200, 1000))
+        run = serve(SimulatedEngine(pool_tokens // 16, 16, 2048), trace,
+                    step_seconds=StepCost(QWEN2_5_0_5B))
+        return run_summary(run)["output_throughput"]
+
+    ample, starved = tps(STUDY["t4_tokens_85"].study), tps(STUDY["starved_pool"].study)
+    lost = 100 * (1 - starved / ample)
+    assert abs(lost - STUDY["starved_slowdown"].study) <= 10
+    assert 1 <= ample / STUDY["ample_tps"].study <= 3
+    assert 1 <= starved / STUDY["starved_tps"].study <= 3
