@@ -13,10 +13,10 @@ No GPU has run the chapters yet, so this script estimates, from things it can st
 * **The card's floor.** Each step streams the weights once at the T4's 320 GB/s, and each prompt
   token, and each token a preemption recomputes, costs 2 x parameters FLOPs at its 65 TFLOP/s in
   fp16: the fastest the work could go.
-* **The host's cost.** The engine runs each step from Python: a step of a 24-layer model whose
-  arithmetic is negligible (hidden size 64) is timed on this machine's CPU, one request,
-  minimum of three runs. On a GPU the host does this much work or less per step, kernels
-  launched instead of computed; the floor plus this cost is the upper end of the estimate.
+* **The host's cost.** Chapter 13's host model, ``minipaged.serving.HostCost`` (one owner):
+  each step launches about ten kernels per layer of Qwen2.5-0.5B's 24 at a stated cost each,
+  and each running request costs a stated time per step (here: per generated token). Its
+  constants are stated there, and chapter 13 checks the whole clock against the study's runs.
 * **Chapters without GPU work** (the simulations of chapters 2 and 3) are timed here, on this
   CPU, at full size (``--run-cpu-chapters``; MINIPAGED_SCALE=full), as Colab's CPU would run them.
 
@@ -39,9 +39,8 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
-from minipaged.serving import T4_BYTES_PER_S, T4_FP16_FLOPS  # the card's peaks, one definition
+from minipaged.memory import QWEN2_5_0_5B
+from minipaged.serving import T4_BYTES_PER_S, T4_FP16_FLOPS, HostCost  # one definition each
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results" / "t4_estimate.csv"
@@ -65,28 +64,6 @@ def load_ledger():
     sys.modules["t4_ledger"] = module
     spec.loader.exec_module(module)
     return module
-
-
-def host_seconds_per_step(repeats: int = 3) -> float:
-    """One decode step of a 24-layer model of negligible width, on this CPU, one thread."""
-    from minipaged import LLM, SamplingParams
-    from minipaged.model import ModelConfig
-
-    torch.set_num_threads(1)
-    config = ModelConfig.small(num_layers=24, hidden_size=64, intermediate_size=64,
-                               vocab_size=256)
-    llm = LLM(model=config, max_model_len=256, num_gpu_blocks_override=64,
-              enable_prefix_caching=False, attention_backend="torch")
-    prompt, params = {"prompt_token_ids": [1, 2, 3]}, SamplingParams(temperature=0,
-                                                                     max_tokens=32,
-                                                                     ignore_eos=True)
-    llm.generate(prompt, params, use_tqdm=False)  # warm-up
-    best = float("inf")
-    for _ in range(repeats):
-        steps, start = llm.llm_engine.num_steps, time.perf_counter()
-        llm.generate(prompt, params, use_tqdm=False)
-        best = min(best, (time.perf_counter() - start) / (llm.llm_engine.num_steps - steps))
-    return best
 
 
 def cpu_chapter_seconds(chapter: str) -> float:
@@ -122,7 +99,7 @@ def main() -> None:
     parser.add_argument("--run-cpu-chapters", action="store_true")
     args = parser.parse_args()
     ledger, before = load_ledger(), previous_rows()
-    host = host_seconds_per_step()
+    host = HostCost(QWEN2_5_0_5B.num_layers)  # chapter 13's host model
     rows = []
     for notebook in sorted((ROOT / "chapters").glob("[0-9][0-9]_*.ipynb")):
         result = ledger.ledger(notebook)
@@ -130,7 +107,9 @@ def main() -> None:
         parameters = work.weight_bytes / 2  # fp16
         floor = (work.steps * work.weight_bytes / T4_BYTES_PER_S
                  + 2 * parameters * (work.prompt_tokens + work.recomputed_tokens) / T4_FP16_FLOPS)
-        estimate, how = floor + work.steps * host, "floor + host cost per step"
+        estimate = (floor + work.steps * host.launches_seconds
+                    + work.generated_tokens * host.per_request_seconds)
+        how = "floor + host model (launches per step, work per generated token)"
         if chapter in CPU_CHAPTERS:
             seconds = (cpu_chapter_seconds(chapter) if args.run_cpu_chapters
                        else previous_minutes(before, chapter) * 60)
@@ -145,7 +124,7 @@ def main() -> None:
                      "recomputed tokens": work.recomputed_tokens,
                      "uncounted requests": work.unknown_requests,
                      "floor min": "" if floor != floor else f"{floor / 60:.2f}",
-                     "host s/step": f"{host:.4f}" if work.steps else "",
+                     "host s/step": f"{host.launches_seconds:.4f}" if work.steps else "",
                      "estimate min": f"{estimate / 60:.1f}" if estimate >= 6 else "< 0.1",
                      "how": how, "not counted": NOT_COUNTED.get(chapter, GPU_SETUP)})
         print(rows[-1])

@@ -21,6 +21,7 @@ from minipaged.player import StepRecorder, StepState, show_steps
 from minipaged.sampling import SamplingParams
 from minipaged.scheduler import KVCacheManager, Request
 from minipaged.serving import (
+    HostCost,
     OracleReservationManager,
     ReservationManager,
     ReservingScheduler,
@@ -260,14 +261,25 @@ def test_execute_and_a_step_cost_read_a_scheduler_output_only():
 @pytest.mark.parametrize(("field", "options"), [
     ("shape", dict(shape="qwen")),
     ("num_params", dict(shape=ModelShape("no count", 2, 2, 2, 8))),
-    ("host_seconds", dict(shape=QWEN2_5_0_5B, host_seconds=-1.0)),
-    ("host_seconds", dict(shape=QWEN2_5_0_5B, host_seconds=NAN)),
+    ("host", dict(shape=QWEN2_5_0_5B, host=-1.0)),
+    ("host", dict(shape=QWEN2_5_0_5B, host="fast")),
     ("bytes_per_s", dict(shape=QWEN2_5_0_5B, bytes_per_s=0)),
     ("flops_per_s", dict(shape=QWEN2_5_0_5B, flops_per_s=INF)),
 ])
 def test_a_step_cost_is_checked_when_made(field, options):
     with pytest.raises(ValueError, match=field):
         StepCost(**options)
+
+
+@pytest.mark.parametrize(("field", "options"), [
+    ("num_layers", dict(num_layers=0)), ("num_layers", dict(num_layers=2.5)),
+    ("kernels_per_layer", dict(num_layers=24, kernels_per_layer=-1)),
+    ("launch_seconds", dict(num_layers=24, launch_seconds=NAN)),
+    ("per_request_seconds", dict(num_layers=24, per_request_seconds=-1e-6)),
+])
+def test_a_host_cost_is_checked_when_made(field, options):
+    with pytest.raises(ValueError, match=field):
+        HostCost(**options)
 
 
 # --- every manager in the package answers a successful allocation with a true value ---
@@ -279,7 +291,9 @@ def package_managers() -> list[type]:
     while todo:
         cls = todo.pop()
         todo += cls.__subclasses__()
-        if cls.__module__.startswith("minipaged.") and cls is not ReservationManager:
+        abstract = issubclass(cls, ReservationManager) and (
+            cls.reservation_tokens is ReservationManager.reservation_tokens)  # no policy yet
+        if cls.__module__.startswith("minipaged.") and not abstract:
             found.append(cls)
     return sorted(set(found), key=lambda cls: cls.__qualname__)
 
