@@ -1,5 +1,6 @@
 """tools/lint.py: ruff's findings in generated modules point at the chapter line to edit."""
 import importlib.util
+import os
 import shutil
 import subprocess
 import sys
@@ -50,9 +51,10 @@ def test_lint_names_the_chapter_line_of_a_finding_in_a_generated_module(tmp_path
     line = chapter.read_text().splitlines().index(target) + 1
 
     def run(*command: str) -> subprocess.CompletedProcess:
-        return subprocess.run(command, cwd=tmp_path, capture_output=True, text=True)
+        return subprocess.run(command, cwd=tmp_path, capture_output=True, text=True,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)})  # the tools package
 
-    result = run(sys.executable, str(ROOT / "tools" / "lint.py"), "minipaged", "tests")
+    result = run(sys.executable, "-m", "tools.lint", "minipaged", "tests")
     ruff = run(sys.executable, "-m", "ruff", "check", "--output-format", "concise",
                "minipaged", "tests")
     assert result.returncode == ruff.returncode == 1
@@ -69,4 +71,4 @@ def test_make_lint_and_make_check_lint_through_the_wrapper():
     makefile = (ROOT / "Makefile").read_text()
     for target in ("lint", "check"):
         recipe = makefile.split(f"\n{target}:")[1].split("\n\n")[0]
-        assert "tools/lint.py" in recipe and "ruff check" not in recipe, target
+        assert "-m tools.lint" in recipe and "ruff check" not in recipe, target

@@ -8,8 +8,8 @@ named; the line and column are the chapter's, since tangle copies an exported ce
 is. Every other line of ruff's output (findings in hand-written files, the summary) is printed
 as ruff prints it, and the exit status is ruff's.
 
-    python tools/lint.py                  # ruff check minipaged tests tools bench solutions
-    python tools/lint.py minipaged/x.py   # only the paths given
+    python -m tools.lint                  # ruff check minipaged tests tools bench solutions
+    python -m tools.lint minipaged/x.py   # only the paths given
 """
 from __future__ import annotations
 
@@ -19,8 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tangle import MARKER, location  # noqa: E402  (tools/ is not a package)
+from tools.tangle import MARKER, location
 
 PATHS = ["minipaged", "tests", "tools", "bench", "solutions"]
 FINDING = re.compile(r"^(?P<path>[^:\s][^:]*\.py):(?P<row>\d+):(?P<column>\d+): (?P<rest>.*)$")
