@@ -68,6 +68,9 @@ def test_the_environment_check_finds_each_kind_of_difference():
     assert found == [
         "torch is 2.13.1, the lock says 2.13.0", "triton==3.9.0 is locked but not installed",
         "kernels==0.19.1 is installed but not in the lock"]
+    # what a locked package's own build requires here is allowed (PyPI's CUDA torch: nvidia-*)
+    assert differences({"torch": "2.13.0"}, {"torch": "2.13.0", "nvidia-nccl-cu12": "2.27.3"},
+                       {"nvidia-nccl-cu12"}) == []
     # a pin with a local label is met by that build only
     assert differences({"torch": "2.13.0+cpu"}, {"torch": "2.13.0"}) == [
         "torch is 2.13.0, the lock says 2.13.0+cpu"]

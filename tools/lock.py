@@ -13,7 +13,9 @@ build where a machine offers it (pip takes the highest match, and ``2.13.0+cpu``
 
 ``check`` compares the distributions installed beside this interpreter with the lock, both ways:
 a locked package missing or at another version, or an installed one the lock does not name, is
-an error (the package itself, minipaged, and pip are left out).
+an error (the package itself, minipaged, and pip are left out). One exception: a package that an
+installed locked package itself requires here (the nvidia-* wheels of PyPI's CUDA build of torch,
+where a machine has no CPU build) is named but allowed; on the project's machines there is none.
 """
 from __future__ import annotations
 
@@ -80,7 +82,29 @@ def installed() -> dict[str, str]:
     return found
 
 
-def differences(locked: dict[str, str], have: dict[str, str]) -> list[str]:
+def required_here(names: set[str]) -> set[str]:
+    """Every distribution that the installed distributions `names` require on this machine,
+    directly or through another (their metadata's Requires-Dist, markers evaluated here)."""
+    from packaging.requirements import Requirement  # pip-tools' and pytest's dependency
+
+    seen, todo = set(), list(names)
+    while todo:
+        try:
+            requires = importlib.metadata.distribution(todo.pop()).requires or []
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        for line in requires:
+            requirement = Requirement(line)
+            if requirement.marker is None or requirement.marker.evaluate({"extra": ""}):
+                name = canonical(requirement.name)
+                if name not in seen:
+                    seen.add(name)
+                    todo.append(name)
+    return seen
+
+
+def differences(locked: dict[str, str], have: dict[str, str],
+                required: set[str] = frozenset()) -> list[str]:
     """What keeps `have` from being the lock: one line per package, empty when it is.
 
     A pin without a local label matches an installed version that has one (``==2.13.0`` is met by
@@ -91,7 +115,7 @@ def differences(locked: dict[str, str], have: dict[str, str]) -> list[str]:
             lines.append(f"{name}=={version} is locked but not installed")
         elif have[name] != version and ("+" in version or public(have[name]) != version):
             lines.append(f"{name} is {have[name]}, the lock says {version}")
-    for name in sorted(set(have) - set(locked) - NOT_LOCKED):
+    for name in sorted(set(have) - set(locked) - NOT_LOCKED - set(required)):
         lines.append(f"{name}=={have[name]} is installed but not in the lock")
     return lines
 
@@ -108,7 +132,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "compile":
         compile_lock(args.upgrade)
         return 0
-    problems = differences(read_lock(), installed())
+    locked, have = read_lock(), installed()
+    required = required_here(set(locked) & set(have)) - set(locked) - NOT_LOCKED
+    for name in sorted(required & set(have)):
+        print(f"{LOCK.name}: {name}=={have[name]} is not in the lock, but a locked package "
+              "requires it on this machine", file=sys.stderr)
+    problems = differences(locked, have, required)
     for line in problems:
         print(f"{LOCK.name}: {line}", file=sys.stderr)
     if problems:
