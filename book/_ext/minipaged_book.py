@@ -131,8 +131,8 @@ def locked_versions_table(root: Path) -> str:
     rows = ["| package | locked (what CI executes the book with) | range requirements.txt allows |",
             "| --- | --- | --- |"]
     for name in SHOWN:
-        allowed = (ranges.get(name) or "").strip() or "any"
-        rows.append(f"| {name} | {locked[name]} | `{allowed}` |")
+        allowed = (ranges.get(name) or "").strip()
+        rows.append(f"| {name} | {locked[name]} | {f'`{allowed}`' if allowed else 'any'} |")
     return "\n".join(rows)
 
 
