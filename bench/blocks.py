@@ -45,7 +45,7 @@ not timed; the garbage collector is off while timing). The clock is the process'
 processes and wall time would count their turns too. Reported: min and median over repeats of
 nanoseconds per operation, over 7 repeats (3 at 1M blocks, where the peer's hits take
 milliseconds each). Written to bench/results/blocks.csv and printed; never asserted.
-Run it with `python bench/blocks.py` (`--quick` stops at 100k blocks and writes no CSV).
+Run it with `python -m bench.blocks` (`--quick` stops at 100k blocks and writes no CSV).
 """
 from __future__ import annotations
 

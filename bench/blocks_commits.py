@@ -15,8 +15,8 @@ repeat of nanoseconds per operation, old and new, and each divided by the peer's
 the same tree's processes. Written to bench/results/blocks_commits.csv and printed; never
 asserted.
 
-    python bench/blocks_commits.py                 # against d1c2c05, the code issue 25 was filed on
-    python bench/blocks_commits.py --old HEAD~3 --rounds 2
+    python -m bench.blocks_commits                 # against d1c2c05, the code issue 25 was filed on
+    python -m bench.blocks_commits --old HEAD~3 --rounds 2
 """
 from __future__ import annotations
 

@@ -29,8 +29,8 @@ The goal, reported and never asserted: minipaged at least 3x as fast as transfor
 batch (sdpa) at 1 and at 2 threads, prefix caching off. Where a step's time goes is
 bench/step_breakdown.py's job (same workload, same engine, step by step under torch's profiler).
 
-    python bench/engine.py             # the full run that bench/results/engine.csv holds
-    python bench/engine.py --quick     # 1 repeat, to check that the script runs
+    python -m bench.engine             # the full run that bench/results/engine.csv holds
+    python -m bench.engine --quick     # 1 repeat, to check that the script runs
 """
 from __future__ import annotations
 

@@ -8,8 +8,8 @@ a cost that grows about linearly shows up as a flat microseconds-per-request col
 generation is timed apart; refusal rates count the whole trace, warm-up included. The CSV goes
 to bench/results/fragmentation.csv.
 
-    python bench/fragmentation.py            # 10k, 100k and 1M requests
-    python bench/fragmentation.py --quick    # 10k only, to check the script runs
+    python -m bench.fragmentation            # 10k, 100k and 1M requests
+    python -m bench.fragmentation --quick    # 10k only, to check the script runs
 """
 from __future__ import annotations
 

@@ -27,15 +27,14 @@ The run is repeated ``--repeats`` times after one warm-up; each category keeps i
 mean per step (the repeats least disturbed by other jobs), at each thread count
 (``torch.set_num_threads``). Timings are reported, never asserted.
 
-    python bench/step_breakdown.py          # writes bench/results/step_breakdown.csv
-    python bench/step_breakdown.py --quick  # 1 repeat at 1 thread, no CSV
+    python -m bench.step_breakdown          # writes bench/results/step_breakdown.csv
+    python -m bench.step_breakdown --quick  # 1 repeat at 1 thread, no CSV
 """
 from __future__ import annotations
 
 import argparse
 import inspect
 import json
-import sys
 import tempfile
 import time
 from collections import defaultdict
@@ -44,14 +43,12 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from bench.engine import workload, write_results  # bench/engine.py's prompts, answers, CSVs
 from minipaged import LLM, SamplingParams, kernels, sampling
 from minipaged import engine as engine_module
 from minipaged import model as model_module
 from minipaged import scheduler as scheduler_module
 from minipaged.model import ModelConfig, random_model
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine import workload, write_results  # noqa: E402  (bench/engine.py's prompts, answers, CSVs)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CATEGORIES = ["linear layers", "attention (SDPA)", "table gathers", "KV store",

@@ -35,8 +35,8 @@ Each side runs once to warm up, then ``--repeats`` times, the sides taking turns
 reversed every other round; fastest and median are kept. Timings are reported, never asserted;
 the outputs are checked equal.
 
-    python bench/table_price.py          # writes bench/results/table_price_cpu.csv
-    python bench/table_price.py --quick  # 3 repeats at 1 thread, no CSV
+    python -m bench.table_price          # writes bench/results/table_price_cpu.csv
+    python -m bench.table_price --quick  # 3 repeats at 1 thread, no CSV
 """
 from __future__ import annotations
 
@@ -51,10 +51,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from bench.engine import workload, write_results  # bench/engine.py's prompts, answers, CSVs
 from minipaged.kernels import _gather_group, batched_paged_attention, plan_batched_attention
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine import workload, write_results  # noqa: E402  (bench/engine.py's prompts, answers, CSVs)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 FIELDS = ["threads", "step", "sequences", "query_tokens", "context_tokens", "repeats",
@@ -173,9 +171,10 @@ def main() -> None:
         return
     rows = []
     for n in threads:  # each thread count in a fresh process: the allocator starts anew
-        run = subprocess.run([sys.executable, __file__, "--one-process", "--threads", str(n),
-                              "--repeats", str(repeats)], capture_output=True, text=True,
-                             check=True)
+        run = subprocess.run([sys.executable, "-m", "bench.table_price", "--one-process",
+                              "--threads", str(n), "--repeats", str(repeats)],
+                             capture_output=True, text=True, check=True,
+                             cwd=Path(__file__).resolve().parents[1])
         rows += json.loads(run.stdout.strip().splitlines()[-1])
     for row in rows:
         print(f"{row['threads']} thr {row['step']:28} {row['sequences']} seqs, "

@@ -9,7 +9,9 @@ from pathlib import Path
 import nbformat
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "book" / "_ext"))
+# book/_ext, as Sphinx puts it on sys.path for _config.yml's local_extensions (last: it shadows
+# nothing; tests/test_shadowing.py checks its names)
+sys.path.append(str(Path(__file__).resolve().parents[1] / "book" / "_ext"))
 import minipaged_book  # noqa: E402
 
 jupyter_cache = pytest.importorskip("jupyter_cache")

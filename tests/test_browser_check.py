@@ -10,16 +10,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-import browser_check  # noqa: E402
-
 from minipaged.blocks import BlockPool, BlockTable  # noqa: E402
 from minipaged.player import StepRecorder, show_steps  # noqa: E402
+from tools import browser_check
 
 pytestmark = pytest.mark.heavy  # starts a browser
 

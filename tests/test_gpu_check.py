@@ -10,13 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench.gpu_check import chapters, common, cuda_tests, stages
+from minipaged.runtime import gpu_results
+from minipaged.serving import SERVING_ENGINES, ReservationManager
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
-
-from gpu_check import chapters, common, cuda_tests, stages  # noqa: E402
-
-from minipaged.runtime import gpu_results  # noqa: E402
-from minipaged.serving import SERVING_ENGINES, ReservationManager  # noqa: E402
 
 # ---- results records ----
 
@@ -250,7 +248,7 @@ import sys
 from huggingface_hub import snapshot_download
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from minipaged import LLM, SamplingParams
-from gpu_check.chapters import MODEL_ID
+from bench.gpu_check.chapters import MODEL_ID
 
 path = snapshot_download(MODEL_ID, allow_patterns=["*.json", "*.safetensors", "*.txt"])
 assert path.endswith("0" * 40), path
@@ -276,7 +274,7 @@ def test_stand_in_checkpoint_loads_offline_through_hugging_face(tmp_path):
                                  "cpu")
     assert chapters.stand_in_snapshot() is None or "HF_HOME" in os.environ
     env = dict(os.environ, HF_HOME=str(tmp_path), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "bench")]))
+               PYTHONPATH=str(ROOT))
     run = subprocess.run([sys.executable, "-c", LOAD_OFFLINE], env=env, capture_output=True,
                          text=True, timeout=300)
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]
@@ -297,8 +295,7 @@ def test_real_geometry_is_qwen2_5_0_5b():
 
 @pytest.mark.heavy
 def test_kernel_benchmark_checks_paged_against_its_twin_at_dry_size(tmp_path):
-    sys.path.insert(0, str(ROOT / "bench"))
-    import kernels as bench
+    from bench import kernel_speed as bench
 
     with common.RowWriter(tmp_path / "k.csv", bench.FIELDS) as writer:
         count = bench.measure(bench.GRIDS["dry"], writer, torch.device("cpu"), "cpu", None,

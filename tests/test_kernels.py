@@ -1,4 +1,5 @@
 """The Triton kernels against chapter 4's plain-torch reference, under Triton's interpreter."""
+import importlib
 import itertools
 import json
 import os
@@ -385,14 +386,11 @@ def test_lengths_given_by_the_caller_give_the_same_answer(query_lengths):
 
 # ---- compiled for a T4 (sm_75) and an A100 (sm_80) by Triton's own compiler: no GPU ----
 
-TOOLS = Path(__file__).resolve().parent.parent / "tools"
-
+ROOT = Path(__file__).resolve().parent.parent
 
 def compile_tool(name: str = "compile_report"):
     """tools/compile_report.py (or compile_check.py) as a module: the table is not the package's."""
-    if str(TOOLS) not in sys.path:
-        sys.path.insert(0, str(TOOLS))
-    return __import__(name)
+    return importlib.import_module(f"tools.{name}")
 
 
 @pytest.fixture(scope="module")
@@ -400,8 +398,8 @@ def fresh_table():
     """Chapter 5's compile table compiled now, under this triton, with the interpreter off (a
     fresh process: the kernels of this one were made for the interpreter)."""
     pytest.importorskip("triton.backends.nvidia.compiler")
-    run = subprocess.run([sys.executable, str(TOOLS / "compile_report.py"), "--json"],
-                         capture_output=True, text=True, timeout=900,
+    run = subprocess.run([sys.executable, "-m", "tools.compile_report", "--json"],
+                         capture_output=True, text=True, timeout=900, cwd=ROOT,
                          env=dict(os.environ, TRITON_INTERPRET="0"))
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.splitlines()[-1])
@@ -429,7 +427,7 @@ def test_the_committed_compile_table_is_what_this_triton_compiles(fresh_table):
         pytest.skip(f"bench/results/compile_report.csv was compiled by triton {written_by}, "
                     f"this is {installed}")
     assert fresh_table == committed, ("bench/results/compile_report.csv is stale: rerun "
-                                      "TRITON_INTERPRET=0 python tools/compile_report.py --write")
+                                      "TRITON_INTERPRET=0 python -m tools.compile_report --write")
 
 
 def test_the_committed_compile_table_has_the_tiles_the_wrappers_pick_now():
@@ -443,7 +441,7 @@ def test_the_committed_compile_table_has_the_tiles_the_wrappers_pick_now():
                 for capability, head_dim, name, launch in tool.table_rows()]
     assert [{k: row[k] for k in recorded[0]} for row in committed] == recorded, (
         "bench/results/compile_report.csv is stale: rerun "
-        "TRITON_INTERPRET=0 python tools/compile_report.py --write")
+        "TRITON_INTERPRET=0 python -m tools.compile_report --write")
 
 
 def test_the_split_rule_counts_what_the_committed_table_compiles():
@@ -459,11 +457,11 @@ def test_the_split_rule_counts_what_the_committed_table_compiles():
 def test_chapter_5_shows_the_compile_tool_as_it_stands():
     # The chapter's second page displays two pieces of tools/compile_report.py (it cannot run
     # them): each must be the tool's text, verbatim.
-    chapter = (TOOLS.parent / "chapters" / "05_what_the_table_costs.md").read_text()
+    chapter = (ROOT / "chapters" / "05_what_the_table_costs.md").read_text()
     shown = re.findall(r"```\{code-block\} python\n:caption: tools/compile_report.py[^\n]*\n\n"
                        r"(.*?)\n```", chapter, flags=re.S)
     assert len(shown) == 2
-    source = (TOOLS / "compile_report.py").read_text()
+    source = (ROOT / "tools" / "compile_report.py").read_text()
     for snippet in shown:
         assert snippet in source, snippet[:200]
 
@@ -473,10 +471,9 @@ def test_the_compile_table_specialises_arguments_as_the_jit_does():
     # launch_source builds the compiler's input with public API only; where this triton still
     # has the JIT's private packing step, the two must agree argument by argument.
     pytest.importorskip("triton.backends.nvidia.compiler")
-    code = ("import json, sys; sys.path.insert(0, 'tools'); "
-            "from compile_check import jit_disagreements; print(json.dumps(jit_disagreements()))")
-    root = Path(__file__).resolve().parent.parent
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root,
+    code = ("import json; from tools.compile_check import jit_disagreements; "
+            "print(json.dumps(jit_disagreements()))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
                          env=dict(os.environ, TRITON_INTERPRET="0"), timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     disagreements = json.loads(run.stdout.splitlines()[-1])

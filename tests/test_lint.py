@@ -1,5 +1,6 @@
 """tools/lint.py: ruff's findings in generated modules point at the chapter line to edit."""
 import importlib.util
+import os
 import shutil
 import subprocess
 import sys
@@ -50,9 +51,10 @@ def test_lint_names_the_chapter_line_of_a_finding_in_a_generated_module(tmp_path
     line = chapter.read_text().splitlines().index(target) + 1
 
     def run(*command: str) -> subprocess.CompletedProcess:
-        return subprocess.run(command, cwd=tmp_path, capture_output=True, text=True)
+        return subprocess.run(command, cwd=tmp_path, capture_output=True, text=True,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)})  # the tools package
 
-    result = run(sys.executable, str(ROOT / "tools" / "lint.py"), "minipaged", "tests")
+    result = run(sys.executable, "-m", "tools.lint", "minipaged", "tests")
     ruff = run(sys.executable, "-m", "ruff", "check", "--output-format", "concise",
                "minipaged", "tests")
     assert result.returncode == ruff.returncode == 1
@@ -69,18 +71,14 @@ def test_make_lint_and_make_check_lint_through_the_wrapper():
     makefile = (ROOT / "Makefile").read_text()
     for target in ("lint", "check"):
         recipe = makefile.split(f"\n{target}:")[1].split("\n\n")[0]
-        assert "tools/lint.py" in recipe and "ruff check" not in recipe, target
+        assert "-m tools.lint" in recipe and "ruff check" not in recipe, target
 
 
 # ---- tools/facts_lint.py: each fact written once, by its owner ---------------------------------
 
 def facts_tool():
-    if "facts_lint" not in sys.modules:  # registered: its dataclasses look their module up
-        spec = importlib.util.spec_from_file_location("facts_lint",
-                                                      ROOT / "tools" / "facts_lint.py")
-        sys.modules["facts_lint"] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules["facts_lint"])
-    return sys.modules["facts_lint"]
+    from tools import facts_lint
+    return facts_lint
 
 
 @pytest.fixture(scope="module")
@@ -196,10 +194,10 @@ def test_facts_lint_exits_1_on_a_planted_copy_and_lint_runs_it(facts, tmp_path):
     path, (text, _, owner) = next(iter(planted(facts).items()))
     (tmp_path / path).parent.mkdir(parents=True)
     (tmp_path / path).write_text(text)
-    result = subprocess.run([sys.executable, str(ROOT / "tools" / "facts_lint.py"), "--root",
-                             str(tmp_path)], capture_output=True, text=True)
+    result = subprocess.run([sys.executable, "-m", "tools.facts_lint", "--root", str(tmp_path)],
+                            capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 1 and owner in result.stdout, result.stdout + result.stderr
-    assert "facts_lint.py" in (ROOT / "tools" / "lint.py").read_text().split("def main")[0]
+    assert "tools.facts_lint" in (ROOT / "tools" / "lint.py").read_text().split("def main")[0]
 
 
 def test_each_allowed_exception_still_names_a_line_of_the_tree(facts_lint):

@@ -10,7 +10,6 @@ construction it never reached), on small notebooks written for the purpose.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,8 +22,7 @@ pytestmark = pytest.mark.heavy  # the ledger walks every chapter: seconds, left 
 
 @pytest.fixture(scope="module")
 def t4_ledger():
-    sys.path.insert(0, str(ROOT / "bench"))
-    from t4_estimate import load_ledger  # the one loader of tools/t4_ledger.py
+    from bench.t4_estimate import load_ledger  # the one loader of tools/t4_ledger.py
 
     return load_ledger()
 

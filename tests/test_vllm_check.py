@@ -3,14 +3,13 @@ vllm-check`` runs the tool itself over every map of the book against the real on
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tools import vllm_check
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tools"))
-import vllm_check  # noqa: E402
 
 RELEASE = {
     "vllm/v1/core/block_pool.py": '''

@@ -9,14 +9,9 @@ from __future__ import annotations
 
 import os
 import random
-import sys
-from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-import vllm_differential as diff  # noqa: E402
+import vllm_differential as diff  # noqa: E402  (tests/, which pytest puts on sys.path)
 
 from minipaged.blocks import KVCacheBlock  # noqa: E402
 from minipaged.prefix_cache import (  # noqa: E402
@@ -34,8 +29,9 @@ NUM_OPS = 200
 
 @pytest.fixture(scope="module")
 def vllm():
-    import vllm_check
     import vllm_release
+
+    from tools import vllm_check
     return vllm_release.load(vllm_check.fetch(VERSION))
 
 

@@ -1,6 +1,6 @@
 """Open every page of the built book in headless Chromium, as a reader would, and fail on defects.
 
-    python tools/browser_check.py [_build/html] [--screenshots _build/screenshots]
+    python -m tools.browser_check [_build/html] [--screenshots _build/screenshots]
 
 Each page is served from a local HTTP server on 127.0.0.1 and loaded with every request to any
 other host blocked, so the book is read as it would be offline. A page fails on:

@@ -10,7 +10,7 @@ triton the requirements allow as well as the newest. ``make compile-check`` runs
 the project's virtualenv and in a side virtualenv that holds the lowest triton (see the Makefile);
 ``tests/test_kernels.py`` asserts the same checks under the project's own triton.
 
-``TRITON_INTERPRET=0 python tools/compile_check.py`` prints the table and exits 1 on a failed
+``TRITON_INTERPRET=0 python -m tools.compile_check`` prints the table and exits 1 on a failed
 check.
 """
 from __future__ import annotations
@@ -18,9 +18,9 @@ from __future__ import annotations
 import sys
 
 import triton
-from compile_report import GPU_NAMES, compile_report, example_launches, launch_source
 
 from minipaged import kernels as K
+from tools.compile_report import GPU_NAMES, compile_report, example_launches, launch_source
 
 WITHOUT_OPT_IN = 48 * 1024  # the shared memory any GPU since Volta grants a program unasked
 

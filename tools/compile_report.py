@@ -11,9 +11,9 @@ architecture's SM limits.
 
 Run with the interpreter off, since the compiler needs the kernels as ``JITFunction`` objects:
 
-    TRITON_INTERPRET=0 python tools/compile_report.py           # print the table
-    TRITON_INTERPRET=0 python tools/compile_report.py --write   # and commit it as a CSV
-    TRITON_INTERPRET=0 python tools/compile_report.py --json    # the rows, for the tests
+    TRITON_INTERPRET=0 python -m tools.compile_report           # print the table
+    TRITON_INTERPRET=0 python -m tools.compile_report --write   # and commit it as a CSV
+    TRITON_INTERPRET=0 python -m tools.compile_report --json    # the rows, for the tests
 
 ``--write`` leaves ``bench/results/compile_report.csv``, with the triton version that compiled
 it in its own column; chapter 5 shows that file (a Colab reader has no repository to run this

@@ -10,9 +10,9 @@ as ruff prints it. Over the whole tree, tools/facts_lint.py then flags a fact (a
 an option's default, a study figure, the block sizes) restated outside its owner; the exit
 status is ruff's, else the facts lint's.
 
-    python tools/lint.py                  # ruff check minipaged tests tools bench solutions,
+    python -m tools.lint                  # ruff check minipaged tests tools bench solutions,
                                           # then tools/facts_lint.py (one owner per fact)
-    python tools/lint.py minipaged/x.py   # only the paths given
+    python -m tools.lint minipaged/x.py   # only the paths given
 """
 from __future__ import annotations
 
@@ -22,8 +22,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tangle import MARKER, location  # noqa: E402  (tools/ is not a package)
+from tools.tangle import MARKER, location
 
 PATHS = ["minipaged", "tests", "tools", "bench", "solutions"]
 FINDING = re.compile(r"^(?P<path>[^:\s][^:]*\.py):(?P<row>\d+):(?P<column>\d+): (?P<rest>.*)$")
@@ -64,8 +63,8 @@ def relocate(line: str) -> str:
 def facts() -> int:
     """tools/facts_lint.py over the whole tree (each fact written once, by its owner); its own
     process, so that importing the package never slows or alters ruff's part. Its status."""
-    script = Path(__file__).resolve().with_name("facts_lint.py")
-    return subprocess.run([sys.executable, str(script)]).returncode
+    root = Path(__file__).resolve().parent.parent
+    return subprocess.run([sys.executable, "-m", "tools.facts_lint"], cwd=root).returncode
 
 
 def main(argv: list[str] | None = None) -> int:

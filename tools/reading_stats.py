@@ -2,7 +2,7 @@
 code (code cells not folded, without their `#|` lines) against prose, the mean sentence length,
 the share of sentences over 40 words, visible cells over 30 and 40 lines, and source lines.
 
-    python tools/reading_stats.py [chapters/NN_slug.md ...]
+    python -m tools.reading_stats [chapters/NN_slug.md ...]
 """
 from __future__ import annotations
 

@@ -50,8 +50,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cell_walker import (  # noqa: E402  (a tool beside this one, not a package)
+from tools.cell_walker import (
     NOT_HANDLED,
     UNKNOWN,
     Break,

@@ -20,12 +20,12 @@ The repository's address is written once, in ``_config.yml`` (``repository.url``
 first code cell installs the package from it: tangle rewrites each address that cell names (the
 install line and its error message) to that one, so a fork sets its address there and tangles.
 
-    python tools/tangle.py          # write minipaged/*.py, the .ipynb twins and book/api.md,
+    python -m tools.tangle          # write minipaged/*.py, the .ipynb twins and book/api.md,
                                     # and each chapter's install address from _config.yml;
                                     # refuses to overwrite a module edited by hand
-    python tools/tangle.py --check  # exit 1 when a file differs from a fresh tangle; prints the
+    python -m tools.tangle --check  # exit 1 when a file differs from a fresh tangle; prints the
                                     # diff and the chapter line of each differing block
-    python tools/tangle.py --changed-since main  # the twins of the chapters to run under nbval
+    python -m tools.tangle --changed-since main  # the twins of the chapters to run under nbval
 """
 from __future__ import annotations
 

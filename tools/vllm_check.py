@@ -24,9 +24,9 @@ _config.yml (fetched the same way); one that names only files outside the wheel 
 ``vllm/`` path (``triton_attn.py``) must be the tail of a path of the release. Names of other
 libraries (``torch.*``), Python's builtins, command-line flags and expressions are not symbols.
 
-    python tools/vllm_check.py                    # the release _config.yml names
-    python tools/vllm_check.py --version 0.34.0   # another one
-    python tools/vllm_check.py --fetch-only       # print the unpacked release's root
+    python -m tools.vllm_check                    # the release _config.yml names
+    python -m tools.vllm_check --version 0.34.0   # another one
+    python -m tools.vllm_check --fetch-only       # print the unpacked release's root
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Everything the book needs a GPU for, measured in one command of at most 8 minutes.
 
-    python3 bench/gpu_check --out "$OUT"      # on the GPU machine (or: make gpu-check OUT=$OUT)
-    python3 bench/gpu_check --dry-run         # on a CPU: tiny sizes, Triton's interpreter (CI)
+    python3 -m bench.gpu_check --out "$OUT"   # on the GPU machine (or: make gpu-check OUT=$OUT)
+    python3 -m bench.gpu_check --dry-run      # on a CPU: tiny sizes, Triton's interpreter (CI)
 
 It needs Python with torch and triton (CUDA builds on a GPU), numpy, matplotlib, pytest; and
 for the chapters' full-size runs transformers, safetensors, huggingface_hub and tokenizers. It
@@ -14,7 +14,7 @@ Stages, in order, each in its own process with its own time cap (seconds, ``--bu
 =============  ===  ================================================================
 env             15  env.json: GPU, driver, CUDA, torch, triton, numpy, Python
 kernel_tests    60  tests/test_kernels.py with the kernels compiled for the GPU
-kernels         75  bench/kernels.py: paged vs contiguous, decode and extend, B = 1..64
+kernels         75  bench/kernel_speed.py: paged vs contiguous, decode and extend, B = 1..64
 hub             40  a random Qwen2.5-0.5B stand-in in a private Hugging Face cache
 engine          70  LLM.generate, fp16, real geometry: mixed and starved workloads
 syncs           25  host-device syncs per engine step
@@ -49,9 +49,9 @@ import time
 import traceback
 from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[2]),
-                str(Path(__file__).resolve().parents[1])]
-from gpu_check.common import ROOT, RowWriter, now, slug, write_json  # noqa: E402
+if not __package__:  # run by its path (python3 bench/gpu_check): the repository root replaces
+    sys.path[0] = str(Path(__file__).resolve().parents[2])  # this folder's generic names
+from bench.gpu_check.common import ROOT, RowWriter, now, slug, write_json  # noqa: E402
 
 # (stage, cap in seconds); the chapters run together at the end with whatever time is left.
 PLAN = [("env", 15), ("kernel_tests", 60), ("kernels", 75), ("hub", 40), ("engine", 70),
@@ -70,7 +70,7 @@ def stage_environment(dry_run: bool, hf_home: Path) -> dict:
     for name in ("TRITON_INTERPRET", "MINIPAGED_SHARE_EXECUTION", "MINIPAGED_DEVICE",
                  "MINIPAGED_SCALE"):
         env.pop(name, None)  # the Makefile exports some of these for the CPU test run
-    paths = [str(ROOT), str(ROOT / "bench"), env.get("PYTHONPATH", "")]
+    paths = [str(ROOT), env.get("PYTHONPATH", "")]
     env.update(PYTHONPATH=os.pathsep.join(p for p in paths if p), PYTHONUNBUFFERED="1",
                MPLBACKEND="Agg", HF_HOME=str(hf_home), HF_HUB_OFFLINE="1",
                TRANSFORMERS_OFFLINE="1", HF_HUB_DISABLE_PROGRESS_BARS="1",
@@ -93,7 +93,7 @@ class Stage:
             env = dict(env, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
         self.log_path = args.results / "logs" / f"{name}.log"
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        command = [sys.executable, str(Path(__file__).resolve().parent), "--stage", name,
+        command = [sys.executable, "-m", "bench.gpu_check", "--stage", name,
                    "--results", str(args.results), "--deadline", str(time.time() + timeout)]
         if args.dry_run:
             command.append("--dry-run")
@@ -229,7 +229,7 @@ def orchestrate(args) -> int:
 
 def work(args) -> int:
     """Run one stage in this process (the orchestrator starts one such process per stage)."""
-    from gpu_check import stages
+    from bench.gpu_check import stages
 
     ctx = stages.Context(args.results, args.dry_run, args.deadline)
     try:
@@ -267,7 +267,7 @@ def default_results(dry_run: bool) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python3 bench/gpu_check", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python3 -m bench.gpu_check", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dry-run", action="store_true",
                         help="tiny sizes on the CPU, Triton's interpreter (what CI runs)")

@@ -2,7 +2,7 @@
 
 The kernel tests build their inputs on the CPU (seeded CPU generators, so the same numbers
 everywhere) and compare with chapter 4's reference there. Loaded with
-``-p gpu_check.cuda_tests``, this plugin wraps the kernels' entry points so that each call
+``-p bench.gpu_check.cuda_tests``, this plugin wraps the kernels' entry points so that each call
 moves its tensor arguments to the GPU, runs the compiled kernel, copies the cache a store wrote
 back into the CPU tensor, and returns the result on the CPU. The tests themselves are unchanged.
 ``GPU_CHECK_DEVICE`` names the device (``cuda``; ``cpu`` makes every wrapper a plain call, which

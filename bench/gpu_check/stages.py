@@ -15,7 +15,7 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpu_check.common import ROOT, T4_USABLE_BYTES, RowWriter, environment, write_json
+from bench.gpu_check.common import ROOT, T4_USABLE_BYTES, RowWriter, environment, write_json
 
 
 class Skip(Exception):
@@ -95,7 +95,7 @@ class ResultRows:
 
 
 def kernel_tests(ctx: Context) -> None:
-    """tests/test_kernels.py with every kernel compiled for the GPU (gpu_check.cuda_tests)."""
+    """tests/test_kernels.py with every kernel compiled for the GPU (bench.gpu_check.cuda_tests)."""
     import pytest
 
     ctx.require_cuda()
@@ -106,7 +106,7 @@ def kernel_tests(ctx: Context) -> None:
     with RowWriter(ctx.results / "kernel_tests.csv",
                    ["test", "outcome", "seconds", "message"]) as writer:
         rows = ResultRows(writer)
-        code = pytest.main([*selection, "-q", "-p", "gpu_check.cuda_tests", "-p",
+        code = pytest.main([*selection, "-q", "-p", "bench.gpu_check.cuda_tests", "-p",
                             "no:cacheprovider", "-W", "ignore::DeprecationWarning"],
                            plugins=[rows])
     ctx.log(f"kernel tests: {rows.counts} (pytest exit code {int(code)})")
@@ -117,12 +117,11 @@ def kernel_tests(ctx: Context) -> None:
 # ---- kernels benchmark ----
 
 def kernels(ctx: Context) -> None:
-    """bench/kernels.py's grid: decode and extend, paged against contiguous, B = 1..64."""
+    """bench/kernel_speed.py's grid: decode and extend, paged against contiguous, B = 1..64."""
     import torch
 
     ctx.require_cuda()
-    sys.path.insert(0, str(ROOT / "bench"))
-    bench = importlib.import_module("kernels")
+    from bench import kernel_speed as bench
     device = ctx.device()
     if ctx.dry_run:
         gpu, peak = "CPU dry run", None
@@ -142,7 +141,7 @@ def model_at_real_geometry(ctx: Context):
 
     Loaded from the hub stage's stand-in checkpoint when it is there (seconds), else drawn.
     """
-    from gpu_check.chapters import real_geometry, stand_in_snapshot
+    from bench.gpu_check.chapters import real_geometry, stand_in_snapshot
     from minipaged.huggingface import load_model
     from minipaged.model import random_model
 
@@ -543,7 +542,7 @@ def serving(ctx: Context) -> None:
 
 def hub(ctx: Context) -> None:
     """Write the stand-in Qwen2.5-0.5B-Instruct (random, real shape) into HF_HOME."""
-    from gpu_check.chapters import fake_hub, real_geometry
+    from bench.gpu_check.chapters import fake_hub, real_geometry
 
     ctx.require_cuda()
     home = Path(os.environ["HF_HOME"])
@@ -564,7 +563,7 @@ DRY_CELLS = 3  # the dry run executes the first cells of each chapter: setup, ru
 
 def chapter(ctx: Context, name: str) -> None:
     """Run one chapter's notebook at full size under the T4 memory cap, cell by cell."""
-    from gpu_check.chapters import CELL_FIELDS, GLUE_FIELDS, run_chapter
+    from bench.gpu_check.chapters import CELL_FIELDS, GLUE_FIELDS, run_chapter
 
     ctx.require_cuda()
     notebook = ROOT / "chapters" / f"{CHAPTERS[name]}.ipynb"

@@ -10,11 +10,13 @@
 - Chapter 12 reads those records, which its own code does not mention, so jupyter-cache would
   keep its page when only an earlier chapter re-ran. Before it is read, its cached execution is
   dropped if any other chapter's record is newer than it, and the build runs it again.
+- The reference page's table of versions is made from requirements.lock at each build (issue 43).
 """
 from __future__ import annotations
 
 import datetime
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -108,7 +110,42 @@ def _vllm_version(app, docname, source) -> None:
         source[0] = source[0].replace(VLLM_VERSION, str(version))
 
 
+LOCKED_VERSIONS = "<!-- locked versions -->"
+# The packages whose versions the reference page shows, in this order.
+SHOWN = ("torch", "triton", "transformers", "jupyter-book", "numpy")
+
+
+def locked_versions_table(root: Path) -> str:
+    """The reference page's table: each package of SHOWN at requirements.lock's version, beside
+    the range requirements.txt allows (the lock is made from those ranges by `make lock`)."""
+    def pins(path: Path, pattern: str) -> dict[str, str]:
+        found = {}
+        for line in path.read_text().splitlines():
+            match = re.match(pattern, line)
+            if match:
+                found[re.sub(r"[-_.]+", "-", match[1]).lower()] = match[2]
+        return found
+
+    locked = pins(root / "requirements.lock", r"([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;#]+)")
+    ranges = pins(root / "requirements.txt", r"([A-Za-z0-9][A-Za-z0-9._-]*)\s*([=<>!~][^#;]*)?")
+    rows = ["| package | locked (what CI executes the book with) | range requirements.txt allows |",
+            "| --- | --- | --- |"]
+    for name in SHOWN:
+        allowed = (ranges.get(name) or "").strip()
+        rows.append(f"| {name} | {locked[name]} | {f'`{allowed}`' if allowed else 'any'} |")
+    return "\n".join(rows)
+
+
+def _locked_versions(app, docname, source) -> None:
+    # The reference page shows the lock's versions, read from requirements.lock at each build.
+    if LOCKED_VERSIONS in source[0]:
+        root = Path(app.srcdir)
+        app.env.note_dependency(str(root / "requirements.lock"))
+        source[0] = source[0].replace(LOCKED_VERSIONS, locked_versions_table(root))
+
+
 def setup(app):
+    app.connect("source-read", _locked_versions)
     app.connect("config-inited", _default_mode)
     app.connect("source-read", _vllm_version)
     app.connect("env-get-outdated", _reread_reckoning)

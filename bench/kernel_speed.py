@@ -17,8 +17,8 @@ Every paged result is checked against its twin first; the largest difference is 
 Rows are written as they are measured to bench/results/<gpu-name>/kernels.csv (the folder
 chapter 5 reads, through ``minipaged.runtime.gpu_results("kernels")``).
 
-    python bench/kernels.py            # the full grid (about a minute on an H200)
-    python bench/kernels.py --quick    # a few points, to check the script runs
+    python -m bench.kernel_speed            # the full grid (about a minute on an H200)
+    python -m bench.kernel_speed --quick    # a few points, to check the script runs
 
 Without CUDA it prints why it did nothing and exits with status 0; ``bench/gpu_check --dry-run``
 runs the same code on a CPU, under Triton's interpreter, at tiny sizes.
@@ -34,9 +34,9 @@ from pathlib import Path
 
 import torch
 
+from bench.gpu_check.common import RowWriter, environment, results_folder, write_json
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
-from gpu_check.common import RowWriter, environment, results_folder, write_json  # noqa: E402
 
 # Peak memory bandwidth in GB/s, from the vendors' data sheets; matched against the device name.
 PEAK_GB_PER_S = {"H200": 4800, "H100": 3350, "A100 80GB": 2039, "A100": 1555, "T4": 320}
@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
                         "bench/results/<gpu-name>/)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        print("bench/kernels.py: no CUDA device here, nothing measured. The kernels' timings "
+        print("bench/kernel_speed.py: no CUDA device here, nothing measured. The kernels' timings "
               "need a GPU; run this script on one (a Colab T4 will do), or run "
               "`make gpu-check-dry` to check the code on a CPU.")
         return 0

@@ -1,0 +1,1 @@
+"""Reference solutions to the exercises, one module per chapter (tests/test_exercises.py)."""
