@@ -66,6 +66,7 @@ def _where(function) -> tuple[str, int, int]:
 
 NAMED = [  # innermost wins; functions found by file and line, as the trace names frames
     (model_module.RotaryEmbedding.forward, "rotary"), (model_module.apply_rotary, "rotary"),
+    (model_module.apply_rotary_, "rotary"),
     (kernels._gather_group, "table gathers"), (kernels.store_kv, "KV store"),
     (kernels.batched_paged_attention, "batching copies"),
     (kernels.plan_batched_attention, "metadata and checks"),

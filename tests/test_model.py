@@ -185,6 +185,33 @@ def test_real_parameter_count():
 
 # --- metadata ------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_in_place_matches_transformers(config, dtype):
+    """apply_rotary_ turns the buffer it is given, equal to transformers' Qwen2 rotary."""
+    from transformers.models.qwen2 import modeling_qwen2 as hf
+
+    positions = torch.tensor([0, 1, 5, 300, 2047, 7])
+    hf_rotary = hf.Qwen2RotaryEmbedding(transformers.Qwen2Config(**config.to_hf_config()))
+    generator = torch.Generator().manual_seed(0)
+    heads = config.num_attention_heads + config.num_key_value_heads
+    qkv = torch.randn(len(positions), (heads + 3) * config.head_dim, generator=generator)
+    x = qkv[:, : heads * config.head_dim].view(len(positions), heads, config.head_dim).to(dtype)
+    before = x.clone()
+    cos, sin = hf_rotary(before, positions[None])  # [1, T, head_dim], in x's dtype
+    want_q, want_k = hf.apply_rotary_pos_emb(before[None, :, :2].transpose(1, 2),
+                                             before[None, :, 2:].transpose(1, 2), cos, sin)
+    want = torch.cat([want_q, want_k], 1).transpose(1, 2)[0]
+    ours = minipaged.model.RotaryEmbedding(config.head_dim, config.rope_theta)(positions)
+    assert ours[0].shape == (len(positions), config.head_dim // 2)
+    copied = minipaged.model.apply_rotary(x, *ours)
+    assert torch.equal(x, before)  # the copying version leaves its input alone
+    turned = minipaged.model.apply_rotary_(x, *ours)
+    assert turned is x  # in place
+    tolerance = dict(rtol=0, atol=5e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=2e-2)
+    torch.testing.assert_close(turned.float(), want.float(), **tolerance)
+    torch.testing.assert_close(copied, turned)
+
+
 def test_prepare_metadata_by_hand():
     metadata = prepare_metadata([[3, 9], [4, 7]], [6, 0], [1, 5], block_size=4)
     assert metadata.positions.tolist() == [6, 0, 1, 2, 3, 4]

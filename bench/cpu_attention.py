@@ -1,0 +1,172 @@
+"""Two questions about chapter 5's batched CPU path, answered with numbers, on a CPU.
+
+1. **Does the causal flag make pieces unnecessary?** Prompts with nothing cached, one layer's
+   attention: the batched path's pieces (gathers included), against one uncut SDPA call over the
+   prompts' own keys and values with ``is_causal=True`` (no gather, no mask, no pieces), and the
+   same call without the flag. At prompt lengths of 250 tokens (bench/engine.py's longest) and
+   1,024.
+2. **Does a compiled decode beat the gathers?** One layer of a decode step of 16 sequences over
+   contexts of 100 to 370 tokens, in a pool the size of bench/engine.py's: the batched path as it
+   runs, against the same groups through ``torch.compile`` of the decode written as plain tensor
+   code (the gather through the table, two products, the mask and the softmax). Inductor fuses
+   the gather with the transpose the product needs, and the mask, scale and softmax into one loop;
+   the products stay BLAS calls. The compile time (the first call, in a fresh process) is kept.
+
+Every side runs in a fresh process (glibc's allocator history moves CPU timings), the sides take
+turns for ``--rounds`` rounds, each process times ``--calls`` calls after one untimed call; the
+CSV keeps each side's fastest and median call over all rounds. Timings are reported, never
+asserted.
+
+    python -m bench.cpu_attention            # writes bench/results/cpu_attention.csv
+    python -m bench.cpu_attention --quick    # 1 round, no CSV
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from bench.engine import write_results  # bench/engine.py's CSV writer
+from minipaged.kernels import batched_paged_attention, plan_batched_attention, store_kv
+
+FIELDS = ["case", "side", "threads", "rounds", "calls", "best_ms", "median_ms", "compile_s",
+          "equal_to_batched", "machine"]
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 14, 2, 64, 16  # Qwen2.5-0.5B's attention geometry
+POOL_BLOCKS = 8192  # bench/engine.py's pool: 256 MiB over 2 layers of fp32 blocks of 16
+
+
+def scattered(lengths: list[int], seed: int = 0):
+    """A pool of POOL_BLOCKS blocks, the sequences' keys and values stored at shuffled blocks."""
+    generator = torch.Generator().manual_seed(seed)
+    needed = [-(-n // BLOCK) for n in lengths]
+    order = (torch.randperm(POOL_BLOCKS - 1, generator=generator) + 1)[:sum(needed)]
+    tables = torch.zeros(len(lengths), max(needed), dtype=torch.int64)
+    for s, chunk in enumerate(order.split(needed)):
+        tables[s, :len(chunk)] = chunk
+    layer = torch.zeros(POOL_BLOCKS, 2, BLOCK, KV_HEADS * HEAD_DIM)
+    total = sum(lengths)
+    keys, values = (torch.randn(total, KV_HEADS, HEAD_DIM, generator=generator) for _ in "kv")
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    seq = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    store_kv(keys, values, layer, tables[seq, positions // BLOCK] * BLOCK + positions % BLOCK,
+             backend="batched")
+    return layer, tables, keys, values
+
+
+def attend_decodes(query, tokens, layer, blocks, mask, scale: float):
+    """One decode group in plain tensor code, for torch.compile: rows of `tokens` against their
+    blocks [S, num_blocks] through the table, masked by mask [S, 1, 1, positions]."""
+    num_seqs, num_blocks = blocks.shape
+    rows = query[tokens].view(num_seqs, KV_HEADS, -1, HEAD_DIM)
+    keys, values = (layer[blocks, half].view(num_seqs, num_blocks * BLOCK, KV_HEADS, HEAD_DIM)
+                    .transpose(1, 2) for half in (0, 1))
+    scores = torch.matmul(rows, keys.transpose(2, 3)) * scale + mask
+    return torch.matmul(scores.softmax(-1), values).view(num_seqs, -1, HEAD_DIM)
+
+
+def timed(run, calls: int) -> list[float]:
+    run()
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        run()
+        times.append(1e3 * (time.perf_counter() - start))
+    return times
+
+
+def one_side(case: str, side: str, calls: int) -> dict:
+    """Runs in a fresh process: the times of one side of one case."""
+    generator = torch.Generator().manual_seed(1)
+    if case == "decode":
+        lengths = torch.randint(100, 371, (16,), generator=generator).tolist()
+    else:
+        lengths = [int(case.split()[1])] * (8 if case.endswith("250") else 2)
+    layer, tables, keys, values = scattered(lengths)
+    query = torch.randn(sum(lengths), HEADS, HEAD_DIM, generator=generator)
+    seq_lens = torch.tensor(lengths)
+    starts = torch.arange(len(lengths) + 1) if case == "decode" else \
+        torch.tensor([0] + lengths).cumsum(0)
+    plan = plan_batched_attention(tables, seq_lens, starts, BLOCK)
+    scale, compile_s = HEAD_DIM ** -0.5, ""
+    if side == "batched":
+        run = lambda: batched_paged_attention(query, layer, plan)
+    elif side == "compiled":
+        attend = torch.compile(attend_decodes, dynamic=True)
+        def run():
+            out = torch.empty_like(query)
+            for group in plan.groups:
+                out.index_copy_(0, group.real_tokens, attend(
+                    query, group.real_tokens, layer, group.blocks, group.mask, scale))
+            return out
+        start = time.perf_counter()
+        run()
+        compile_s = round(time.perf_counter() - start, 1)
+    else:  # uncut, over the prompts' own keys and values: [S, heads, Q, head_dim]
+        num = len(lengths)
+        rows = query.view(num, -1, HEADS, HEAD_DIM).transpose(1, 2)
+        k, v = (t.view(num, -1, KV_HEADS, HEAD_DIM).transpose(1, 2) for t in (keys, values))
+        causal = side == "uncut, causal flag"
+        run = lambda: F.scaled_dot_product_attention(rows, k, v, is_causal=causal,
+                                                     enable_gqa=True).transpose(1, 2)
+    got = run().reshape(query.shape)
+    want = batched_paged_attention(query, layer, plan)
+    equal = side == "uncut, no mask" or bool(torch.allclose(got, want, atol=1e-5, rtol=1e-5))
+    return dict(times=timed(run, calls), compile_s=compile_s, equal=equal)
+
+
+CASES = {"decode": ["batched", "compiled"],
+         "prompts 250": ["batched", "uncut, causal flag", "uncut, no mask"],
+         "prompts 1024": ["batched", "uncut, causal flag", "uncut, no mask"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="1 round, no CSV")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("--machine", default="",
+                        help="a note on the machine for the CSV, e.g. 'shared, 2 cores'")
+    parser.add_argument("--side", nargs=2, help=argparse.SUPPRESS)  # a child process's case
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    if args.side:
+        print(json.dumps(one_side(*args.side, args.calls)))
+        return
+    rounds = 1 if args.quick else args.rounds
+    found = {(c, s): [] for c, sides in CASES.items() for s in sides}
+    compile_s, equal = {}, {}
+    for round_ in range(rounds):
+        for case, sides in CASES.items():
+            for side in sides if round_ % 2 == 0 else sides[::-1]:
+                out = subprocess.run([sys.executable, "-m", "bench.cpu_attention", "--calls",
+                                      str(args.calls), "--side", case, side],
+                                     capture_output=True, text=True, env=dict(os.environ),
+                                     check=True, cwd=Path(__file__).resolve().parents[1])
+                result = json.loads(out.stdout.strip().splitlines()[-1])
+                found[case, side] += result["times"]
+                if result["compile_s"] != "":
+                    compile_s.setdefault((case, side), []).append(result["compile_s"])
+                equal[case, side] = result["equal"]
+                print(f"round {round_ + 1}: {case}, {side}: fastest "
+                      f"{min(result['times']):.2f} ms", flush=True)
+    rows = [dict(case=case, side=side, threads=1, rounds=rounds, calls=args.calls,
+                 best_ms=round(min(times), 3), median_ms=round(statistics.median(times), 3),
+                 compile_s=max(compile_s[case, side]) if (case, side) in compile_s else "",
+                 equal_to_batched=equal[case, side], machine=args.machine)
+            for (case, side), times in found.items()]
+    for row in rows:
+        print(row)
+    if not args.quick:
+        write_results("cpu_attention.csv", FIELDS, rows)
+
+
+if __name__ == "__main__":
+    main()
