@@ -43,7 +43,8 @@ def module_chapters(package: Path) -> dict[str, str]:
     init = package / "__init__.py"
     for node in ast.walk(ast.parse(init.read_text() if init.exists() else "")):
         if isinstance(node, ast.ImportFrom) and node.level and node.module in owners:
-            owners.update({alias.name: owners[node.module] for alias in node.names})
+            owners.update({alias.asname or alias.name: owners[node.module]
+                           for alias in node.names})
     return owners
 
 

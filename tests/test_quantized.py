@@ -269,3 +269,14 @@ def test_chapter_10s_block_copy_and_chapter_11s_swap_move_codes_and_scales_toget
     host.swap_in_blocks(cache, [(0, 4), (1, 5)])
     for layer, want in zip(cache.layers, before):
         assert torch.equal(dequantize_layer(layer, kv_format, 2, 8, 0.5, 0.5)[4:6], want)
+
+
+def test_the_package_llm_is_chapter_14s_and_takes_kv_cache_dtype():
+    """`from minipaged import LLM` is the last chapter's front end, as vLLM has one LLM with
+    every option: kv_cache_dtype checked by name, "auto" being chapter 12's LLM unchanged."""
+    import minipaged
+    from minipaged.quantized import QuantizedLLM
+
+    assert minipaged.LLM is QuantizedLLM and "LLM" in minipaged.__all__
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        minipaged.LLM(kv_cache_dtype="nvfp4")
