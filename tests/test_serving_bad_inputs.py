@@ -397,6 +397,8 @@ def test_a_reservation_refuses_a_bad_token_count_before_taking_blocks(count):
     ("request", lambda: S.Pow2ReservationManager(BlockPool(32, 16)).can_admit(SamplingParams())),
     ("request", lambda: oracle().final_length(None)),
     ("request", lambda: oracle().allocate_slots(None, 5)),
+    ("max_model_len", lambda: ReservingScheduler(oracle(), max_model_len=10**30)),
+    ("max_model_len", lambda: ReservingScheduler(oracle(), max_model_len=32 * 16 + 1)),
     ("manager", lambda: S.reserve(None, a_request())),
     ("manager", lambda: S.reserve(KVCacheManager(BlockPool(8, 16)), a_request())),
     ("request", lambda: S.reserve(oracle(), None)),
