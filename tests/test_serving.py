@@ -21,6 +21,7 @@ from minipaged.serving import (
     MaxReservationManager,
     OracleReservationManager,
     Pow2ReservationManager,
+    ReservationManager,
     ReservingScheduler,
     SimulatedEngine,
     StepCost,
@@ -82,7 +83,8 @@ def test_a_reservation_is_admitted_only_when_all_of_it_fits(manager_cls):
     assert admitted == 6 or pool.get_num_free_blocks() < each  # the next one waits whole
 
 
-@pytest.mark.parametrize("name", ["Oracle", "Pow2", "Max"])
+@pytest.mark.parametrize("name", [name for name, (manager_cls, _) in SERVING_ENGINES.items()
+                                  if issubclass(manager_cls, ReservationManager)])
 def test_reservation_engines_never_grow_and_never_preempt_under_load(name):
     manager_cls, scheduler_cls = SERVING_ENGINES[name]
     engine = SimulatedEngine(48, 16, 256, kv_cache_manager_cls=manager_cls,

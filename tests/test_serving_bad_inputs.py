@@ -339,6 +339,178 @@ def test_a_policy_that_reserves_too_little_outgrows_its_reservation():
         short.scheduler.preempt(short.requests["r"], None)
 
 
+# --- issue 46c: the last sweep's findings in serving.py ---
+RESERVING = [name for name, (manager_cls, _) in S.SERVING_ENGINES.items()
+             if issubclass(manager_cls, ReservationManager)]
+
+
+@pytest.mark.parametrize("name", RESERVING)
+def test_max_tokens_none_is_bounded_by_the_context_limit_and_served(name):
+    manager_cls, scheduler_cls = S.SERVING_ENGINES[name]
+    manager = manager_cls(BlockPool(32, 16))
+    request = Request("r", [0] * 10, SamplingParams(max_tokens=None))
+    assert manager.final_length(request) == manager.max_model_len  # as vLLM: up to the limit
+    assert manager.reservation_tokens(request) == manager.max_model_len
+    sim = SimulatedEngine(64, 16, 256, kv_cache_manager_cls=manager_cls,
+                          scheduler_cls=scheduler_cls)
+    made = sim.add_request("n", [1] * 10, SamplingParams(max_tokens=None, ignore_eos=True))
+    for _ in range(300):
+        if not sim.has_unfinished_requests():
+            break
+        sim.execute(sim.scheduler.schedule())
+    assert not sim.has_unfinished_requests() and made.num_tokens == 256
+    assert sim.pool.get_num_free_blocks() == 64
+
+
+def oracle():
+    return OracleReservationManager(BlockPool(32, 16))
+
+
+def a_request(rid="r"):
+    return Request(rid, [1] * 10, SamplingParams(max_tokens=4))
+
+
+def test_reserving_twice_for_one_request_is_refused_and_leaks_nothing():
+    manager, request = oracle(), a_request()
+    S.reserve(manager, request)
+    with pytest.raises(ValueError, match="already holds a reservation"):
+        S.reserve(manager, request)
+    manager.free(request)
+    assert manager.pool.get_num_free_blocks() == 32
+
+
+@pytest.mark.parametrize("count", [-1, None, "3", 1.5, True, NAN])
+def test_a_reservation_refuses_a_bad_token_count_before_taking_blocks(count):
+    for manager_cls in [OracleReservationManager, S.ContiguousOracle]:
+        manager, request = manager_cls(BlockPool(32, 16)), a_request()
+        with pytest.raises(ValueError, match="num_new_tokens"):
+            manager.allocate_slots(request, count)
+        assert manager.pool.get_num_free_blocks() == 32 and not manager.block_tables
+        assert manager.allocate_slots(request, 10)
+        with pytest.raises(ValueError, match="num_new_tokens"):
+            manager.allocate_slots(request, count)
+
+
+@pytest.mark.parametrize(("field", "call"), [
+    ("request", lambda: oracle().reservation_tokens(None)),
+    ("request", lambda: S.MaxReservationManager(BlockPool(32, 16)).reservation_tokens("r")),
+    ("request", lambda: S.Pow2ReservationManager(BlockPool(32, 16)).can_admit(SamplingParams())),
+    ("request", lambda: oracle().final_length(None)),
+    ("request", lambda: oracle().allocate_slots(None, 5)),
+    ("max_model_len", lambda: ReservingScheduler(oracle(), max_model_len=10**30)),
+    ("max_model_len", lambda: ReservingScheduler(oracle(), max_model_len=32 * 16 + 1)),
+    ("manager", lambda: S.reserve(None, a_request())),
+    ("manager", lambda: S.reserve(KVCacheManager(BlockPool(8, 16)), a_request())),
+    ("request", lambda: S.reserve(oracle(), None)),
+    ("scheduler_cls", lambda: SimulatedEngine(64, 16, 256,
+                                              kv_cache_manager_cls=S.MaxReservationManager)),
+    ("scheduler_cls", lambda: SimulatedEngine(64, 16, 256, scheduler_cls=ReservingScheduler)),
+    ("block_size", lambda: SimulatedEngine(64, 3, 256)),
+    ("clock", lambda: serve(engine(), small_trace(), clock=lambda x: 1.0)),
+    ("clock", lambda: serve(engine(), small_trace(), clock=None)),
+    ("clock", lambda: serve(engine(), small_trace(), clock=lambda: 10**400)),
+    ("step_seconds", lambda: serve(engine(), small_trace(), lambda: 0.1)),
+    ("max_model_len", lambda: serve(engine(), trace(prompts=(200, 4), outputs=(100, 3)))),
+    ("mean", lambda: make_trace(5, 2.0, median=1e-300, mean=1e300)),
+    ("num_params", lambda: StepCost(ModelShape("t", 2, 14, 2, 64, 2, num_params=True))),
+    ("bytes_per_s", lambda: StepCost(QWEN2_5_0_5B, bytes_per_s=1e-320)),
+    ("flops_per_s", lambda: StepCost(QWEN2_5_0_5B, flops_per_s=1e-320)),
+    ("batch", lambda: HostCost(2)(-1)),
+    ("factor", lambda: HostCost(2).scaled(NAN)),
+])
+def test_the_last_sweep_s_findings_are_refused_by_name(field, call):
+    with pytest.raises(ValueError, match=field):
+        call()
+
+
+def test_a_numpy_parameter_count_is_a_count():
+    shape = ModelShape("t", 2, 14, 2, 64, 2, num_params=np.int64(10**6))
+    assert StepCost(shape) == StepCost(shape)
+
+
+def live_engine():
+    sim = engine()
+    sim.add_request("a", [1] * 20, SamplingParams(max_tokens=5, ignore_eos=True))
+    sim.add_request("b", [2] * 40, SamplingParams(max_tokens=3, ignore_eos=True))
+    return sim
+
+
+def drained(sim):
+    while sim.has_unfinished_requests():
+        sim.execute(sim.scheduler.schedule())
+    return sim.num_steps, sim.pool.get_num_free_blocks()
+
+
+@pytest.mark.parametrize("bad_out", [
+    lambda sim, out: out,  # executed a second time
+    lambda sim, out: live_engine().scheduler.schedule(),  # another engine's batch
+    lambda sim, out: S.SchedulerOutput(out.scheduled_requests, {"a": -3, "b": 1}, []),
+    lambda sim, out: S.SchedulerOutput(out.scheduled_requests, {}, []),
+    lambda sim, out: S.SchedulerOutput([], {}, []),
+])
+def test_execute_refuses_a_batch_it_cannot_book_and_the_engine_finishes_as_a_clean_one(bad_out):
+    clean, sim = live_engine(), live_engine()
+    out = sim.scheduler.schedule()
+    sim.execute(out)
+    clean.execute(clean.scheduler.schedule())
+    with pytest.raises(ValueError, match="out"):
+        sim.execute(bad_out(sim, out))
+    assert drained(sim) == drained(clean)
+
+
+def test_a_step_cost_refuses_a_batch_of_negative_or_no_tokens():
+    cost, out = StepCost(QWEN2_5_0_5B), live_engine().scheduler.schedule()
+    with pytest.raises(ValueError, match="num_scheduled_tokens"):
+        cost(S.SchedulerOutput(out.scheduled_requests, {"a": -3, "b": 1}, []))
+    with pytest.raises(ValueError, match="out"):
+        cost(S.SchedulerOutput([], {}, []))
+
+
+def a_run():
+    return serve(engine(), small_trace(), StepCost(QWEN2_5_0_5B))
+
+
+@pytest.mark.parametrize(("field", "change"), [
+    ("token_times", {"token_times": None}),
+    ("token_times", {"token_times": [["a"]] * 4}),
+    ("token_times", {"token_times": [[9.0]] * 4}),  # fewer tokens than the trace's outputs
+    ("token_times", {"token_times": "backwards"}),
+    ("step_seconds", {"step_seconds": None}),
+    ("step_seconds", {"step_seconds": np.array([])}),
+    ("batch_sizes", {"batch_sizes": np.array([1])}),
+    ("held_tokens", {"held_tokens": None}),
+])
+def test_the_metrics_check_every_field_of_a_run(field, change):
+    import dataclasses
+    run = a_run()
+    if change.get("token_times") == "backwards":
+        change = {"token_times": [list(reversed(t)) if len(t) > 1 else [-1.0]
+                                  for t in run.token_times]}
+    bad = dataclasses.replace(run, **change)
+    for read in (request_metrics, run_summary, S.steady_throughput, S.finish_over_arrival):
+        with pytest.raises(ValueError, match=field):
+            read(bad)
+
+
+@pytest.mark.parametrize(("field", "call"), [
+    ("warmup", lambda run: run_summary(run, warmup=4)),
+    ("warmup", lambda run: run_summary(run, warmup=-1)),
+    ("slo", lambda run: run_summary(run, slo={"latency": 1.0})),
+    ("slo", lambda run: run_summary(run, slo={"ttft": NAN})),
+    ("share", lambda run: S.steady_throughput(run, 0.5)),
+    ("share", lambda run: S.finish_over_arrival(run, None)),
+])
+def test_a_summary_s_own_arguments_are_checked(field, call):
+    with pytest.raises(ValueError, match=field):
+        call(a_run())
+
+
+def test_the_entry_checks_are_machinery_not_api():
+    assert not [name for name in dir(S) if name.startswith(("check_", "as_column", "read_clock"))
+                and getattr(S, name).__module__ == S.__name__]
+    assert S.reserve and S.run_summary and S.SERVING_ENGINES  # what readers call stays public
+
+
 # --- the players ---
 def test_a_recorder_refuses_a_table_of_another_larger_pool():
     small, big = BlockPool(8, 4), BlockPool(32, 4)
