@@ -28,3 +28,16 @@ def test_the_readme_shows_the_intro_first_run():
     (code,) = intro_code()
     blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
     assert code.rstrip("\n") + "\n" in blocks
+
+
+def test_the_book_pages_install_from_the_configured_repository():
+    """The pages that show an install or a clone name _config.yml's repository.url, its one
+    owner (tools/tangle.py writes it into the chapters' first cells)."""
+    from tools.tangle import repository_url
+
+    url = repository_url()
+    for page in ("intro.md", "colab.md"):
+        text = (ROOT / "book" / page).read_text()
+        named = re.findall(r"git\+([^\s\"'`@]+)", text) + re.findall(r"git clone (\S+)", text)
+        assert named and set(named) == {url}, (page, named)
+        assert "pip install minipaged" not in text  # no PyPI release: always from the repository
