@@ -280,3 +280,29 @@ def test_the_package_llm_is_chapter_14s_and_takes_kv_cache_dtype():
     assert minipaged.LLM is QuantizedLLM and "LLM" in minipaged.__all__
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         minipaged.LLM(kv_cache_dtype="nvfp4")
+
+
+def test_the_step_cost_prices_the_cache_reads_at_the_formats_bytes():
+    """Chapter 13's StepCost less the bytes an 8-bit cache does not read: for fp8 half the
+    fp16 reads, for int8 (D + 4) / 2D of them; None is chapter 13's cost unchanged."""
+    from minipaged.blocks import BlockPool
+    from minipaged.memory import QWEN2_5_0_5B
+    from minipaged.quantized import QuantizedStepCost
+    from minipaged.reckoning import decode_step_bytes
+    from minipaged.sampling import SamplingParams
+    from minipaged.scheduler import KVCacheManager, Request, Scheduler
+    from minipaged.serving import StepCost
+
+    scheduler = Scheduler(KVCacheManager(BlockPool(64, 16)), max_model_len=512)
+    for name, prompt in [("a", 30), ("b", 70)]:
+        scheduler.add_request(Request(name, [0] * prompt, SamplingParams()))
+    out = scheduler.schedule()
+    fp16 = StepCost(QWEN2_5_0_5B)(out)
+    assert QuantizedStepCost(QWEN2_5_0_5B)(out) == fp16
+    reads = decode_step_bytes(QWEN2_5_0_5B, 1, 100)["keys and values"] / 320e9
+    assert QuantizedStepCost(QWEN2_5_0_5B, kv_format=FORMATS["fp8_e4m3"])(out) == pytest.approx(
+        fp16 - reads / 2)
+    int8 = QuantizedStepCost(QWEN2_5_0_5B, kv_format=FORMATS["int8_per_token_head"])(out)
+    assert int8 == pytest.approx(fp16 - reads * (1 - 68 / 128))
+    with pytest.raises(ValueError, match="kv_format"):
+        QuantizedStepCost(QWEN2_5_0_5B, kv_format="fp8")
