@@ -142,27 +142,14 @@ def test_fork_and_split_sample_the_same_tokens(model, cache, seed):
     assert_all_free(fork)
 
 
-@pytest.mark.parametrize("options", [dict(cache=False), dict(cache=True)])
-def test_fork_reports_the_cached_tokens_split_reports(model, options):
-    """vLLM splits, and reports the count of the child that finished last; a forked child
-    reports what its lookup as a split child would have found, so the two modes agree."""
+def test_fork_reports_child_0s_cached_tokens_never_more_than_split(model):
+    """Chapter 10's stated difference from vLLM (which splits): a forked child reports child 0's
+    count, so a prompt's num_cached_tokens under fork is at most split's."""
     prompts = [{"prompt_token_ids": prompt_of(n, n)} for n in (9, 16, 37, 37)]  # 37 twice: a hit
     params = SamplingParams(n=3, seed=0, temperature=1.0, max_tokens=4, ignore_eos=True)
-    counts = {mode: [o.num_cached_tokens for o in make_llm(model, mode, **options)
+    counts = {mode: [o.num_cached_tokens for o in make_llm(model, mode, cache=True)
                      .generate(prompts, params, use_tqdm=False)] for mode in ("split", "fork")}
-    assert counts["fork"] == counts["split"], counts
-    assert not options["cache"] or counts["split"][2] > 0  # the check has teeth
-
-
-def test_a_fork_with_sub_block_matching_reports_at_least_what_split_reports(model):
-    """Chapter 10's stated difference: a forked child looks after child 0's step, when its
-    partial block's pieces are in the map; a split child admitted beside child 0 looked before."""
-    prompts = [{"prompt_token_ids": prompt_of(n, n)} for n in (9, 16, 37, 37)]
-    params = SamplingParams(n=3, seed=0, temperature=1.0, max_tokens=4, ignore_eos=True)
-    counts = {mode: [o.num_cached_tokens for o in make_llm(model, mode, cache=True,
-                                                           prefix_match_unit=4)
-                     .generate(prompts, params, use_tqdm=False)] for mode in ("split", "fork")}
-    assert all(f >= s for f, s in zip(counts["fork"], counts["split"])), counts
+    assert all(f <= s for f, s in zip(counts["fork"], counts["split"])), counts
 
 
 @pytest.mark.parametrize("length, copies", [(37, 3), (32, 0)])
