@@ -1,21 +1,29 @@
-"""Two questions about chapter 5's batched CPU path, answered with numbers, on a CPU.
+"""Three questions about chapter 5's batched CPU path, answered with numbers, on a CPU.
 
 1. **Does the causal flag make pieces unnecessary?** Prompts with nothing cached, one layer's
-   attention: the batched path's pieces (gathers included), against one uncut SDPA call over the
-   prompts' own keys and values with ``is_causal=True`` (no gather, no mask, no pieces), and the
-   same call without the flag. At prompt lengths of 250 tokens (bench/engine.py's longest) and
-   1,024.
+   attention: the batched path's pieces (gathers included), against SDPA over the prompts' own
+   keys and values with ``is_causal=True`` (no gather, no mask, no pieces). Three cases:
+   bench/engine.py's first mixed step (its first 2,048 prompt tokens: whole prompts of 8 to 249
+   tokens and the first chunk of the next, one causal call per prompt), and 8 prompts of 250
+   tokens and 2 of 1,024 in one uncut call each, also timed without the flag.
 2. **Does a compiled decode beat the gathers?** One layer of a decode step of 16 sequences over
-   contexts of 100 to 370 tokens, in a pool the size of bench/engine.py's: the batched path as it
-   runs, against the same groups through ``torch.compile`` of the decode written as plain tensor
-   code (the gather through the table, two products, the mask and the softmax). Inductor fuses
-   the gather with the transpose the product needs, and the mask, scale and softmax into one loop;
-   the products stay BLAS calls. The compile time (the first call, in a fresh process) is kept.
+   contexts of 100 to 370 tokens, in a pool the size of bench/engine.py's, after one untimed run
+   of the engine's first step (as in the engine, whose decodes come after its prompts' steps and
+   so meet the allocator in the state those left it in): the batched path as it runs, against
+   the same groups through ``torch.compile`` of the decode written as plain tensor code (the
+   gather through the table, two products, the mask and the softmax). Inductor fuses the gather
+   with the transpose the product needs, and the mask, scale and softmax into one loop; the
+   products stay BLAS calls. The compile time (the first call, in a fresh process, with a
+   fresh Inductor cache) is kept.
+3. **Does reading the blocks in place beat the gathers?** The same decode step through a small
+   C++ extension, bench/cpu_decode.cpp (built with ``torch.utils.cpp_extension.load``, g++ and
+   ninja, ``-O3 -march=native -ffast-math``, into a fresh folder in every process, so that the
+   build time is kept too): each position found through the table and read where it lies.
 
 Every side runs in a fresh process (glibc's allocator history moves CPU timings), the sides take
 turns for ``--rounds`` rounds, each process times ``--calls`` calls after one untimed call; the
-CSV keeps each side's fastest and median call over all rounds. Timings are reported, never
-asserted.
+CSV keeps each side's fastest and median call over all rounds, and the largest difference from
+the batched path's output. Timings are reported, never asserted.
 
     python -m bench.cpu_attention            # writes bench/results/cpu_attention.csv
     python -m bench.cpu_attention --quick    # 1 round, no CSV
@@ -28,6 +36,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -38,7 +47,7 @@ from bench.engine import write_results  # bench/engine.py's CSV writer
 from minipaged.kernels import batched_paged_attention, plan_batched_attention, store_kv
 
 FIELDS = ["case", "side", "threads", "rounds", "calls", "best_ms", "median_ms", "compile_s",
-          "equal_to_batched", "machine"]
+          "equal_to_batched", "max_abs_diff", "machine"]
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 14, 2, 64, 16  # Qwen2.5-0.5B's attention geometry
 POOL_BLOCKS = 8192  # bench/engine.py's pool: 256 MiB over 2 layers of fp32 blocks of 16
 
@@ -82,15 +91,52 @@ def timed(run, calls: int) -> list[float]:
     return times
 
 
+def first_mixed_step() -> list[int]:
+    """The prompt lengths of bench/engine.py's first step: whole prompts while they fit in its
+    2,048 tokens, then the first chunk of the next (nothing cached before any of them)."""
+    from bench.engine import workload
+    lengths, left = [], 2048
+    for prompt in workload(151936)[0]:  # the lengths do not depend on the vocabulary
+        lengths.append(min(len(prompt), left))
+        left -= lengths[-1]
+        if not left:
+            break
+    return lengths
+
+
+def build_cpu_decode():
+    """bench/cpu_decode.cpp, compiled into a fresh folder (so the build is timed every time)."""
+    from torch.utils.cpp_extension import load
+    return load("cpu_decode", [str(Path(__file__).with_name("cpu_decode.cpp"))],
+                build_directory=tempfile.mkdtemp(prefix="cpu_decode_"),
+                extra_cflags=["-O3", "-march=native", "-ffast-math"], verbose=False)
+
+
+def after_the_prompts() -> None:
+    """Run the engine's first step through the batched path once, untimed, as the engine runs
+    its prompts' steps before its decodes: the large buffers that step allocates and frees move
+    glibc's threshold for handing memory straight from the system (chapter 5.2), so the decodes
+    after it recycle their buffers instead of faulting fresh pages in."""
+    lengths = first_mixed_step()
+    layer, tables, _, _ = scattered(lengths)
+    starts = torch.tensor([0] + lengths).cumsum(0)
+    batched_paged_attention(torch.randn(sum(lengths), HEADS, HEAD_DIM), layer,
+                            plan_batched_attention(tables, torch.tensor(lengths), starts, BLOCK))
+
+
 def one_side(case: str, side: str, calls: int) -> dict:
     """Runs in a fresh process: the times of one side of one case."""
     generator = torch.Generator().manual_seed(1)
     if case == "decode":
+        after_the_prompts()  # every side alike
         lengths = torch.randint(100, 371, (16,), generator=generator).tolist()
+    elif case == FIRST_STEP:
+        lengths = first_mixed_step()
     else:
         lengths = [int(case.split()[1])] * (8 if case.endswith("250") else 2)
     layer, tables, keys, values = scattered(lengths)
-    query = torch.randn(sum(lengths), HEADS, HEAD_DIM, generator=generator)
+    num_tokens = len(lengths) if case == "decode" else sum(lengths)  # one row a decode
+    query = torch.randn(num_tokens, HEADS, HEAD_DIM, generator=generator)
     seq_lens = torch.tensor(lengths)
     starts = torch.arange(len(lengths) + 1) if case == "decode" else \
         torch.tensor([0] + lengths).cumsum(0)
@@ -99,6 +145,8 @@ def one_side(case: str, side: str, calls: int) -> dict:
     if side == "batched":
         run = lambda: batched_paged_attention(query, layer, plan)
     elif side == "compiled":
+        # a fresh Inductor cache, so that the first call pays what a first run ever pays
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor_")
         attend = torch.compile(attend_decodes, dynamic=True)
         def run():
             out = torch.empty_like(query)
@@ -109,6 +157,20 @@ def one_side(case: str, side: str, calls: int) -> dict:
         start = time.perf_counter()
         run()
         compile_s = round(time.perf_counter() - start, 1)
+    elif side == "in place, C++":
+        start = time.perf_counter()
+        extension = build_cpu_decode()
+        compile_s = round(time.perf_counter() - start, 1)
+        run = lambda: extension.paged_decode(query, layer, tables, seq_lens, scale)
+    elif side == "per prompt, causal flag":  # each prompt over its own fresh keys and values
+        bounds = starts.tolist()
+        def run():
+            out = torch.empty_like(query)
+            for a, b in zip(bounds, bounds[1:]):
+                out[a:b] = F.scaled_dot_product_attention(
+                    *(t[a:b].transpose(0, 1)[None] for t in (query, keys, values)),
+                    is_causal=True, enable_gqa=True)[0].transpose(0, 1)
+            return out
     else:  # uncut, over the prompts' own keys and values: [S, heads, Q, head_dim]
         num = len(lengths)
         rows = query.view(num, -1, HEADS, HEAD_DIM).transpose(1, 2)
@@ -118,11 +180,16 @@ def one_side(case: str, side: str, calls: int) -> dict:
                                                      enable_gqa=True).transpose(1, 2)
     got = run().reshape(query.shape)
     want = batched_paged_attention(query, layer, plan)
-    equal = side == "uncut, no mask" or bool(torch.allclose(got, want, atol=1e-5, rtol=1e-5))
-    return dict(times=timed(run, calls), compile_s=compile_s, equal=equal)
+    masked = side == "uncut, no mask"  # attends to later keys too: a different answer
+    difference = "" if masked else float((got - want).abs().max())
+    equal = masked or bool(torch.allclose(got, want, atol=1e-5, rtol=1e-5))
+    return dict(times=timed(run, calls), compile_s=compile_s, equal=equal,
+                difference=difference)
 
 
-CASES = {"decode": ["batched", "compiled"],
+FIRST_STEP = "engine's first step"
+CASES = {"decode": ["batched", "compiled", "in place, C++"],
+         FIRST_STEP: ["batched", "per prompt, causal flag"],
          "prompts 250": ["batched", "uncut, causal flag", "uncut, no mask"],
          "prompts 1024": ["batched", "uncut, causal flag", "uncut, no mask"]}
 
@@ -142,7 +209,7 @@ def main() -> None:
         return
     rounds = 1 if args.quick else args.rounds
     found = {(c, s): [] for c, sides in CASES.items() for s in sides}
-    compile_s, equal = {}, {}
+    compile_s, equal, difference = {}, {}, {}
     for round_ in range(rounds):
         for case, sides in CASES.items():
             for side in sides if round_ % 2 == 0 else sides[::-1]:
@@ -155,12 +222,16 @@ def main() -> None:
                 if result["compile_s"] != "":
                     compile_s.setdefault((case, side), []).append(result["compile_s"])
                 equal[case, side] = result["equal"]
+                difference[case, side] = result["difference"]
                 print(f"round {round_ + 1}: {case}, {side}: fastest "
                       f"{min(result['times']):.2f} ms", flush=True)
     rows = [dict(case=case, side=side, threads=1, rounds=rounds, calls=args.calls,
                  best_ms=round(min(times), 3), median_ms=round(statistics.median(times), 3),
                  compile_s=max(compile_s[case, side]) if (case, side) in compile_s else "",
-                 equal_to_batched=equal[case, side], machine=args.machine)
+                 equal_to_batched=equal[case, side],
+                 max_abs_diff=(f"{difference[case, side]:.1e}"
+                               if difference[case, side] != "" else ""),
+                 machine=args.machine)
             for (case, side), times in found.items()]
     for row in rows:
         print(row)

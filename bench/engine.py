@@ -12,12 +12,16 @@ a fixed seed), greedy. The same weights run in every engine:
 * transformers' ``generate`` with sdpa, one prompt at a time, each for its own answer length.
 
 Throughput counts the requested tokens only (the padded batch computes more, and that is its
-cost). Every engine runs once untimed, then ``--repeats`` times, interleaved, the order reversed
-on every other round so that a machine drifting slower or faster favours no one; the fastest and
-the median run are reported, at 1 and 2 threads (``torch.set_num_threads``), by the wall clock
-and by the process's CPU time. On a shared machine the wall clock also counts the time other
-jobs held the cores; CPU time counts only what the process itself spent (summed over its
-threads, so at 2 threads it measures work, not latency).
+cost). Every timed run has a fresh process of its own: the process builds its engine, runs it
+once untimed, then once timed. One process running every engine in turn would let one engine's
+allocations weigh on the next (glibc's allocator keeps a history, chapter 5.2): run that way, the
+engine's fastest run at 2 threads came out slower than at 1. The engines take turns for
+``--repeats`` rounds, the order reversed on every other round so that a machine drifting slower
+or faster favours no one; the fastest and the median run are reported, at 1 and 2 threads
+(``torch.set_num_threads``), by the wall clock and by the process's CPU time. On a shared
+machine the wall clock also counts the time other jobs held the cores; CPU time counts only what
+the process itself spent (summed over its threads, so at 2 threads it measures work, not
+latency).
 
 Cache bytes: for minipaged, *reserved* is the KV tensors the engine allocated and *used* the
 most blocks in use at once times the bytes of a block; for transformers, the tensors of its cache
@@ -30,13 +34,16 @@ batch (sdpa) at 1 and at 2 threads, prefix caching off. Where a step's time goes
 bench/step_breakdown.py's job (same workload, same engine, step by step under torch's profiler).
 
     python -m bench.engine             # the full run that bench/results/engine.csv holds
-    python -m bench.engine --quick     # 1 repeat, to check that the script runs
+    python -m bench.engine --quick     # 1 round at 1 thread, no CSV, to check that it runs
 """
 from __future__ import annotations
 
 import argparse
 import csv
+import json
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -52,7 +59,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 FIELDS = ["threads", "engine", "repeats", "requested_tokens", "best_s", "median_s",
           "best_tokens_per_s", "median_tokens_per_s", "minipaged_speedup_best",
           "minipaged_speedup_median", "best_cpu_s", "median_cpu_s", "minipaged_cpu_speedup_median",
-          "cache_reserved_bytes", "cache_used_bytes", "answers_equal"]
+          "cache_reserved_bytes", "cache_used_bytes", "answers_equal", "machine"]
 
 
 def workload(vocab_size: int, num_prompts: int = 32, seed: int = 0):
@@ -133,68 +140,99 @@ class OneAtATime:
         return tokens, largest, largest
 
 
-def measure(engines, repeats: int, threads: int, requested: int) -> list[dict]:
-    """Warm up, then time every engine `repeats` times, interleaved, alternating the order."""
+ENGINES = ["minipaged", "minipaged, reference attention", "transformers padded batch, sdpa",
+           "transformers padded batch, eager", "transformers one prompt at a time, sdpa"]
+
+
+def make_engine(name: str, prompts, answers):
+    """One engine of ENGINES over chapter 6's small Qwen2 (2 layers), the same weights in all."""
+    config = ModelConfig.small(num_layers=2)
+    backend = "torch" if name == "minipaged, reference attention" else "auto"
+    model = random_model(config, seed=0, attention_backend=backend)  # "auto": batched on a CPU
+    if name.startswith("minipaged"):
+        return Minipaged(name, model, prompts, answers)
+    attention = "eager" if name.endswith("eager") else "sdpa"
+    kind = OneAtATime if "one prompt at a time" in name else PaddedBatch
+    return kind(name, to_transformers(model, attention), prompts, answers)
+
+
+def one_run(name: str, threads: int) -> dict:
+    """In a fresh process: build one engine, run it untimed, then time one run."""
     torch.set_num_threads(threads)
-    results = {e.name: e.run() for e in engines}  # warm-up; answers and cache bytes
-    times = {e.name: [] for e in engines}
-    cpu = {e.name: [] for e in engines}
+    transformers.logging.set_verbosity_error()  # generate's per-call notices
+    prompts, answers = workload(ModelConfig.small(num_layers=2).vocab_size)
+    engine = make_engine(name, prompts, answers)
+    tokens, reserved, used = engine.run()  # untimed: answers and cache bytes
+    start, cpu_start = time.perf_counter(), time.process_time()
+    engine.run()
+    return dict(seconds=time.perf_counter() - start, cpu=time.process_time() - cpu_start,
+                tokens=tokens, reserved=reserved, used=used)
+
+
+def in_fresh_process(name: str, threads: int) -> dict:
+    """one_run in a child process of this script, from this checkout."""
+    out = subprocess.run([sys.executable, "-m", "bench.engine", "--one", name, str(threads)],
+                         cwd=Path(__file__).resolve().parents[1], capture_output=True,
+                         text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def measure(names: list[str], repeats: int, threads: int, requested: int, machine: str = ""
+            ) -> list[dict]:
+    """`repeats` rounds of one fresh process per engine, taking turns, the order alternating."""
+    runs = {name: [] for name in names}
     for round_ in range(repeats):
-        for engine in engines if round_ % 2 == 0 else engines[::-1]:
-            start, cpu_start = time.perf_counter(), time.process_time()
-            engine.run()
-            times[engine.name].append(time.perf_counter() - start)
-            cpu[engine.name].append(time.process_time() - cpu_start)
+        for name in names if round_ % 2 == 0 else names[::-1]:
+            runs[name].append(in_fresh_process(name, threads))
         print(f"  {threads} thread(s), round {round_ + 1}/{repeats}: "
-              + ", ".join(f"{n} {t[-1]:.2f}s" for n, t in times.items()), flush=True)
-    ours_tokens = results[engines[0].name][0]
-    ours_cpu = statistics.median(cpu[engines[0].name])
+              + ", ".join(f"{n} {r[-1]['seconds']:.2f}s" for n, r in runs.items() if r),
+              flush=True)
+    ours = runs[names[0]]
+    ours_best = min(r["seconds"] for r in ours)
+    ours_median = statistics.median(r["seconds"] for r in ours)
+    ours_cpu = statistics.median(r["cpu"] for r in ours)
     rows = []
-    for engine in engines:
-        tokens, reserved, used = results[engine.name]
-        best, median = min(times[engine.name]), statistics.median(times[engine.name])
+    for name in names:
+        times, cpu = [r["seconds"] for r in runs[name]], [r["cpu"] for r in runs[name]]
+        first = runs[name][0]
+        best, median = min(times), statistics.median(times)
+        equal = min(sum(a == b for a, b in zip(r["tokens"], ours[0]["tokens"]))
+                    for r in runs[name])  # every run's answers, against minipaged's first
         rows.append(dict(
-            threads=threads, engine=engine.name, repeats=repeats, requested_tokens=requested,
+            threads=threads, engine=name, repeats=repeats, requested_tokens=requested,
             best_s=round(best, 4), median_s=round(median, 4),
             best_tokens_per_s=round(requested / best, 1),
             median_tokens_per_s=round(requested / median, 1),
-            minipaged_speedup_best=round(best / min(times[engines[0].name]), 3),
-            minipaged_speedup_median=round(median / statistics.median(times[engines[0].name]), 3),
-            best_cpu_s=round(min(cpu[engine.name]), 4),
-            median_cpu_s=round(statistics.median(cpu[engine.name]), 4),
-            minipaged_cpu_speedup_median=round(statistics.median(cpu[engine.name]) / ours_cpu, 3),
-            cache_reserved_bytes=reserved, cache_used_bytes=used,
-            answers_equal=f"{sum(a == b for a, b in zip(tokens, ours_tokens))}/{len(tokens)}"))
+            minipaged_speedup_best=round(best / ours_best, 3),
+            minipaged_speedup_median=round(median / ours_median, 3),
+            best_cpu_s=round(min(cpu), 4), median_cpu_s=round(statistics.median(cpu), 4),
+            minipaged_cpu_speedup_median=round(statistics.median(cpu) / ours_cpu, 3),
+            cache_reserved_bytes=first["reserved"], cache_used_bytes=first["used"],
+            answers_equal=f"{equal}/{len(first['tokens'])}", machine=machine))
     return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="1 repeat, 1 thread, no CSV")
+    parser.add_argument("--quick", action="store_true", help="1 round, 1 thread, no CSV")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--machine", default="",
+                        help="a note on the machine for the CSV, e.g. 'no other job running'")
+    parser.add_argument("--one", nargs=2, help=argparse.SUPPRESS)  # a child: engine, threads
     args = parser.parse_args()
-    transformers.logging.set_verbosity_error()  # generate's per-call notices
+    if args.one:
+        print(json.dumps(one_run(args.one[0], int(args.one[1]))))
+        return
     repeats, threads = (1, [1]) if args.quick else (args.repeats, args.threads)
-    config = ModelConfig.small(num_layers=2)
-    model = random_model(config, seed=0)  # attention_backend "auto": the batched path on a CPU
-    reference = random_model(config, seed=0, attention_backend="torch")  # the same weights
-    prompts, answers = workload(config.vocab_size)
+    prompts, answers = workload(ModelConfig.small(num_layers=2).vocab_size)
     requested = sum(answers)
-    engines = [Minipaged("minipaged", model, prompts, answers),
-               Minipaged("minipaged, reference attention", reference, prompts, answers),
-               PaddedBatch("transformers padded batch, sdpa", to_transformers(model, "sdpa"),
-                           prompts, answers),
-               PaddedBatch("transformers padded batch, eager", to_transformers(model, "eager"),
-                           prompts, answers),
-               OneAtATime("transformers one prompt at a time, sdpa",
-                          to_transformers(model, "sdpa"), prompts, answers)]
     lengths = [len(p) for p in prompts]
     print(f"{len(prompts)} prompts of {min(lengths)}-{max(lengths)} tokens, answers of "
           f"{min(answers)}-{max(answers)} tokens ({requested} requested), greedy; "
-          f"{repeats} repeats at {threads} thread(s)")
+          f"{repeats} rounds at {threads} thread(s), a fresh process for every run")
     start = time.perf_counter()
-    rows = [row for n in threads for row in measure(engines, repeats, n, requested)]
+    rows = [row for n in threads for row in measure(ENGINES, repeats, n, requested, args.machine)]
     for row in rows:
         print(f"{row['threads']} thr  {row['engine']:42} best {row['best_tokens_per_s']:8,.0f} "
               f"median {row['median_tokens_per_s']:8,.0f} tok/s  minipaged x"

@@ -54,7 +54,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 CATEGORIES = ["linear layers", "attention (SDPA)", "table gathers", "KV store",
               "batching copies", "rotary", "other tensor ops", "sampling",
               "metadata and checks", "scheduler and pool", "the rest (Python between them)"]
-FIELDS = ["threads", "step", "steps", "tokens_per_step", "category", "ms_per_step", "share"]
+FIELDS = ["threads", "step", "steps", "tokens_per_step", "category", "ms_per_step", "share",
+          "machine"]
 
 
 def _where(function) -> tuple[str, int, int]:
@@ -249,9 +250,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="1 repeat, 1 thread, no CSV")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--machine", default="",
+                        help="a note on the machine for the CSV, e.g. 'no other job running'")
     args = parser.parse_args()
     repeats, threads = (1, [1]) if args.quick else (args.repeats, args.threads)
-    rows = [row for n in threads for row in measure(n, repeats)]
+    rows = [dict(row, machine=args.machine) for n in threads for row in measure(n, repeats)]
     for row in rows:
         print(f"{row['threads']} thr  {row['step']:6} {row['category']:42} "
               f"{row['ms_per_step'] if row['ms_per_step'] != '' else '':>8}  "
