@@ -71,10 +71,12 @@ def workload(vocab_size: int, num_prompts: int = 32, seed: int = 0):
     return prompts, answers
 
 
-def cache_bytes(past_key_values) -> int:
-    """Bytes held by the key and value tensors of a transformers cache."""
+def cache_bytes(out) -> int:
+    """Bytes held by the key and value tensors of the cache that generate returned in `out`
+    (``out.cache`` since transformers 5.24, ``out.past_key_values`` before)."""
+    cache = getattr(out, "cache", None) or out.past_key_values
     total = 0
-    for layer in getattr(past_key_values, "layers", []):
+    for layer in getattr(cache, "layers", []):
         for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
             if isinstance(tensor, torch.Tensor):
                 total += tensor.numel() * tensor.element_size()
@@ -118,7 +120,7 @@ class PaddedBatch:
                                  max_new_tokens=max(self.answers), eos_token_id=None,
                                  pad_token_id=0, return_dict_in_generate=True)
         new = out.sequences[:, self.ids.shape[1]:].tolist()
-        held = cache_bytes(out.past_key_values)
+        held = cache_bytes(out)
         return [row[:n] for row, n in zip(new, self.answers)], held, held
 
 
@@ -136,7 +138,7 @@ class OneAtATime:
                                      eos_token_id=None, pad_token_id=0,
                                      return_dict_in_generate=True)
             tokens.append(out.sequences[0, len(prompt):].tolist())
-            largest = max(largest, cache_bytes(out.past_key_values))
+            largest = max(largest, cache_bytes(out))
         return tokens, largest, largest
 
 
