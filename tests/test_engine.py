@@ -224,6 +224,15 @@ def test_bad_engine_options_name_the_field(model, options, field):
         LLM(model=model, **options)
 
 
+@pytest.mark.parametrize("num_gpu_blocks", [10**13, 10**30])
+def test_a_pool_too_large_to_allocate_is_refused_before_any_block_exists(model, num_gpu_blocks):
+    # 10**13 blocks are petabytes (the allocator refuses); 10**30 is past int64 (torch refuses
+    # the size). Either way the refusal names the option, at once: the pool, whose blocks are
+    # Python objects, is built only after the cache's tensors exist.
+    with pytest.raises(ValueError, match=f"num_gpu_blocks={num_gpu_blocks} "):
+        minipaged.engine.LLMEngine(model, num_gpu_blocks)
+
+
 @pytest.mark.heavy  # a few tenths of a second or more: make test runs it, make check not
 def test_prefix_caching_is_on_by_default_as_in_vllm(model):
     from minipaged.llm import KV_CACHE_MANAGER_CLASSES
