@@ -92,11 +92,13 @@ def timed(run, calls: int) -> list[float]:
 
 
 def first_mixed_step() -> list[int]:
-    """The prompt lengths of bench/engine.py's first step: whole prompts while they fit in its
-    2,048 tokens, then the first chunk of the next (nothing cached before any of them)."""
+    """The prompt lengths of bench/engine.py's first step: whole prompts while they fit in the
+    engine's token budget, then the first chunk of the next (nothing cached before any)."""
     from bench.engine import workload
-    lengths, left = [], 2048
-    for prompt in workload(151936)[0]:  # the lengths do not depend on the vocabulary
+    from minipaged.frontend import FrontEndArgs
+    from minipaged.model import ModelConfig
+    lengths, left = [], FrontEndArgs().max_num_batched_tokens  # the default, as bench/engine.py
+    for prompt in workload(ModelConfig.small(num_layers=2).vocab_size)[0]:
         lengths.append(min(len(prompt), left))
         left -= lengths[-1]
         if not left:
