@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench.engine import write_results  # bench/engine.py's CSV writer
+from bench.engine import machine_note, write_results  # bench/engine.py's note and CSV writer
 from minipaged.kernels import batched_paged_attention, plan_batched_attention, store_kv
 
 FIELDS = ["case", "side", "threads", "rounds", "calls", "best_ms", "median_ms", "compile_s",
@@ -233,7 +233,7 @@ def main() -> None:
                  equal_to_batched=equal[case, side],
                  max_abs_diff=(f"{difference[case, side]:.1e}"
                                if difference[case, side] != "" else ""),
-                 machine=args.machine)
+                 machine=machine_note(args.machine))
             for (case, side), times in found.items()]
     for row in rows:
         print(row)

@@ -41,6 +41,8 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -179,6 +181,17 @@ def in_fresh_process(name: str, threads: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def machine_note(note: str = "") -> str:
+    """The CSVs' machine column: the CPU's model and the cores this process may use, then the
+    note given on the command line (what else was running, say)."""
+    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text()
+                  .splitlines() if line.startswith("model name")), "") \
+        if Path("/proc/cpuinfo").exists() else ""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return ", ".join(part for part in (model or platform.machine(), f"{cores} cores", note)
+                     if part)
+
+
 def measure(names: list[str], repeats: int, threads: int, requested: int, machine: str = ""
             ) -> list[dict]:
     """`repeats` rounds of one fresh process per engine, taking turns, the order alternating."""
@@ -220,7 +233,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--machine", default="",
-                        help="a note on the machine for the CSV, e.g. 'no other job running'")
+                        help="a note on the machine for the CSV, after the CPU's model and cores, "
+                        "e.g. 'no other job running'")
     parser.add_argument("--one", nargs=2, help=argparse.SUPPRESS)  # a child: engine, threads
     args = parser.parse_args()
     if args.one:
@@ -234,7 +248,8 @@ def main() -> None:
           f"{min(answers)}-{max(answers)} tokens ({requested} requested), greedy; "
           f"{repeats} rounds at {threads} thread(s), a fresh process for every run")
     start = time.perf_counter()
-    rows = [row for n in threads for row in measure(ENGINES, repeats, n, requested, args.machine)]
+    machine = machine_note(args.machine)
+    rows = [row for n in threads for row in measure(ENGINES, repeats, n, requested, machine)]
     for row in rows:
         print(f"{row['threads']} thr  {row['engine']:42} best {row['best_tokens_per_s']:8,.0f} "
               f"median {row['median_tokens_per_s']:8,.0f} tok/s  minipaged x"

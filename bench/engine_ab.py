@@ -5,7 +5,13 @@ Each side runs in a fresh process, from its own checkout (``PYTHONPATH`` set to 
 run each, then ``--repeats`` runs each, interleaved. The sides take turns for ``--rounds`` rounds
 at every thread count, the order reversed every other round, so that other jobs on a shared
 machine weigh on both alike. Reported per side: the fastest and the median run of each engine,
-and the ratio padded / minipaged of the fastest runs and of the medians. Nothing is asserted.
+and the ratio padded / minipaged of the fastest runs and of the medians. Then the host's share of
+a decode step, before and after: each process serves the workload once more step by step
+(``schedule`` then ``execute``, as ``LLMEngine.step`` does) and, at every decode step, times the
+step's ``prepare_inputs`` and its ``plan_batched_attention`` again on the same inputs, alone,
+keeping the fastest of ``HOST_REPEATS`` calls of each (the Python and NumPy that build a step's
+metadata and plan, without the model); reported as the mean over decode steps, beside the
+median decode step. Nothing is asserted.
 
     git worktree add /tmp/base <commit>
     python bench/engine_ab.py --base /tmp/base          # prints the table
@@ -25,7 +31,45 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 FIELDS = ["threads", "side", "checkout", "processes", "runs", "minipaged_best_s",
           "minipaged_median_s", "padded_best_s", "padded_median_s", "ratio_best", "ratio_median",
-          "answers_equal", "machine"]
+          "prepare_inputs_us", "plan_us", "decode_step_ms", "answers_equal", "machine"]
+HOST_REPEATS = 20  # calls of prepare_inputs and of the plan per decode step; the fastest kept
+
+
+def fastest(call, *args) -> float:
+    """The fastest of HOST_REPEATS calls of call(*args), in seconds."""
+    times = []
+    for _ in range(HOST_REPEATS):
+        start = time.perf_counter()
+        call(*args)
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def host_times(minipaged) -> dict:
+    """The workload served once more, step by step: each decode step's prepare_inputs and plan
+    timed alone on that step's inputs (fastest of HOST_REPEATS), and the decode step itself."""
+    from minipaged.kernels import plan_batched_attention
+
+    engine = minipaged.llm.llm_engine
+    for i, (prompt, params) in enumerate(zip(minipaged.prompts, minipaged.params)):
+        engine.add_request(f"host-{i}", prompt["prompt_token_ids"], params)
+    found = {"prepare": [], "plan": [], "step": []}
+    while engine.has_unfinished_requests():
+        out = engine.scheduler.schedule()
+        decode = out.total_num_scheduled_tokens == len(out.scheduled_requests)
+        if decode:
+            _, metadata = engine.prepare_inputs(out)
+            found["prepare"].append(fastest(engine.prepare_inputs, out))
+            found["plan"].append(fastest(plan_batched_attention, metadata.block_tables,
+                                         metadata.seq_lens, metadata.query_start_loc,
+                                         metadata.block_size))
+        start = time.perf_counter()
+        engine.execute(out)
+        if decode:
+            found["step"].append(time.perf_counter() - start)
+    return dict(prepare_us=1e6 * statistics.fmean(found["prepare"]),
+                plan_us=1e6 * statistics.fmean(found["plan"]),
+                step_ms=1e3 * statistics.median(found["step"]))
 
 
 def one_side(threads: int, repeats: int) -> dict:
@@ -55,7 +99,8 @@ def one_side(threads: int, repeats: int) -> dict:
             start = time.perf_counter()
             engines[name].run()
             times[name].append(time.perf_counter() - start)
-    return dict(times=times, equal=sum(a == b for a, b in zip(ours, theirs)))
+    return dict(times=times, equal=sum(a == b for a, b in zip(ours, theirs)),
+                host=host_times(engines["minipaged"]))
 
 
 def main() -> None:
@@ -86,6 +131,8 @@ def main() -> None:
                 found[threads, side].append(json.loads(out.stdout.strip().splitlines()[-1]))
                 print(f"{threads} thread(s), round {round_ + 1}, {side}: "
                       f"{found[threads, side][-1]['times']}", flush=True)
+    from engine import machine_note
+    machine = machine_note(args.machine)
     rows = []
     for (threads, side), results in found.items():
         ours = [t for r in results for t in r["times"]["minipaged"]]
@@ -98,7 +145,10 @@ def main() -> None:
             padded_median_s=round(statistics.median(theirs), 4),
             ratio_best=round(min(theirs) / min(ours), 3),
             ratio_median=round(statistics.median(theirs) / statistics.median(ours), 3),
-            answers_equal=min(r["equal"] for r in results), machine=args.machine))
+            prepare_inputs_us=round(min(r["host"]["prepare_us"] for r in results), 1),
+            plan_us=round(min(r["host"]["plan_us"] for r in results), 1),
+            decode_step_ms=round(min(r["host"]["step_ms"] for r in results), 3),
+            answers_equal=min(r["equal"] for r in results), machine=machine))
         print(rows[-1])
     if args.csv:
         from engine import write_results

@@ -43,7 +43,11 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from bench.engine import workload, write_results  # bench/engine.py's prompts, answers, CSVs
+from bench.engine import (  # bench/engine.py's machine note, prompts, answers and CSVs
+    machine_note,
+    workload,
+    write_results,
+)
 from minipaged import LLM, SamplingParams, kernels, sampling
 from minipaged import engine as engine_module
 from minipaged import model as model_module
@@ -254,7 +258,8 @@ def main() -> None:
                         help="a note on the machine for the CSV, e.g. 'no other job running'")
     args = parser.parse_args()
     repeats, threads = (1, [1]) if args.quick else (args.repeats, args.threads)
-    rows = [dict(row, machine=args.machine) for n in threads for row in measure(n, repeats)]
+    machine = machine_note(args.machine)
+    rows = [dict(row, machine=machine) for n in threads for row in measure(n, repeats)]
     for row in rows:
         print(f"{row['threads']} thr  {row['step']:6} {row['category']:42} "
               f"{row['ms_per_step'] if row['ms_per_step'] != '' else '':>8}  "

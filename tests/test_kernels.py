@@ -493,11 +493,18 @@ def test_programs_per_sm_by_hand():
 
 # ---- the batched CPU path against the reference ----
 
+from dataclasses import fields  # noqa: E402
+
 from hypothesis import assume, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from minipaged.kernels import (  # noqa: E402
+    DECODE_GROUP_SIZE,
+    DECODE_GROUPS,
     PIECE_ROWS,
+    BatchedGroup,
+    _plan_group,
+    _runs,
     batched_paged_attention,
     plan_batched_attention,
     resolve_backend,
@@ -616,6 +623,21 @@ def test_plan_splits_decodes_and_pieces_by_context_length():
     assert ends == [[12, 32, 32, 32], [40, 50, 60, 200]]
     expected = reference_paged_attention(query, layer, tables, seq_lens, starts)
     assert_close(batched_paged_attention(query, layer, plan), expected, torch.float32)
+
+
+@pytest.mark.parametrize("num_decodes", [1, 7, 8, 17, 40])
+def test_decode_groups_planned_in_one_pass_hold_what_each_group_planned_alone_would(num_decodes):
+    generator = torch.Generator().manual_seed(num_decodes)
+    contexts = torch.randint(1, 300, (num_decodes,), generator=generator).tolist() + [50]
+    _, _, tables, seq_lens, starts, _ = make_batch(contexts, [1] * num_decodes + [20], 16)
+    plan = plan_batched_attention(tables, seq_lens, starts, block_size=16)
+    decodes = [(c, s, s, 1) for s, c in enumerate(contexts[:-1])]
+    runs = _runs(decodes, DECODE_GROUP_SIZE, DECODE_GROUPS)
+    assert len(plan.groups) == len(runs) + 1  # and one group for the prompt's piece
+    for group, run in zip(plan.groups, runs):
+        alone = _plan_group(run, tables.numpy(), 16, tables.device)
+        for field in fields(BatchedGroup):
+            assert torch.equal(getattr(group, field.name), getattr(alone, field.name)), field.name
 
 
 def test_a_plan_serves_every_layer_of_the_step():
