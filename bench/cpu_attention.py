@@ -1,11 +1,13 @@
 """Three questions about chapter 5's batched CPU path, answered with numbers, on a CPU.
 
-1. **Does the causal flag make pieces unnecessary?** Prompts with nothing cached, one layer's
-   attention: the batched path's pieces (gathers included), against SDPA over the prompts' own
-   keys and values with ``is_causal=True`` (no gather, no mask, no pieces). Three cases:
+1. **From what length does the causal flag beat the pieces?** Prompts with nothing cached, one
+   layer's attention through the batched path, gathers included, planned two ways: cut into
+   pieces under their masks, and each prompt whole, one call with ``is_causal=True`` and no mask
+   (``plan_batched_attention``'s ``causal_rows``, set past the prompts or below them). Cases:
    bench/engine.py's first mixed step (its first 2,048 prompt tokens: whole prompts of 8 to 249
-   tokens and the first chunk of the next, one causal call per prompt), and 8 prompts of 250
-   tokens and 2 of 1,024 in one uncut call each, also timed without the flag.
+   tokens and the first chunk of the next), and a sweep of equal prompts, as many of each
+   length as fill that step's 2,048 tokens, from 256 to 2,048 tokens. The plan's own threshold,
+   ``CAUSAL_ROWS``, is chosen from the sweep.
 2. **Does a compiled decode beat the gathers?** One layer of a decode step of 16 sequences over
    contexts of 100 to 370 tokens, in a pool the size of bench/engine.py's, after one untimed run
    of the engine's first step (as in the engine, whose decodes come after its prompts' steps and
@@ -23,7 +25,8 @@
 Every side runs in a fresh process (glibc's allocator history moves CPU timings), the sides take
 turns for ``--rounds`` rounds, each process times ``--calls`` calls after one untimed call; the
 CSV keeps each side's fastest and median call over all rounds, and the largest difference from
-the batched path's output. Timings are reported, never asserted.
+the batched path's output (for the prompts, from the pieces'). Timings are reported, never
+asserted.
 
     python -m bench.cpu_attention            # writes bench/results/cpu_attention.csv
     python -m bench.cpu_attention --quick    # 1 round, no CSV
@@ -41,15 +44,17 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from bench.engine import machine_note, write_results  # bench/engine.py's note and CSV writer
+from minipaged.frontend import FrontEndArgs
 from minipaged.kernels import batched_paged_attention, plan_batched_attention, store_kv
 
-FIELDS = ["case", "side", "threads", "rounds", "calls", "best_ms", "median_ms", "compile_s",
-          "equal_to_batched", "max_abs_diff", "machine"]
+FIELDS = ["case", "sequences", "tokens", "side", "threads", "rounds", "calls", "best_ms",
+          "median_ms", "compile_s", "equal_to_batched", "max_abs_diff", "machine"]
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 14, 2, 64, 16  # Qwen2.5-0.5B's attention geometry
 POOL_BLOCKS = 8192  # bench/engine.py's pool: 256 MiB over 2 layers of fp32 blocks of 16
+SWEEP = (256, 512, 768, 1024, 1536, 2048)  # prompt lengths, around CAUSAL_ROWS
+BUDGET = FrontEndArgs().max_num_batched_tokens  # tokens in a step: bench/engine.py's budget
 
 
 def scattered(lengths: list[int], seed: int = 0):
@@ -95,9 +100,8 @@ def first_mixed_step() -> list[int]:
     """The prompt lengths of bench/engine.py's first step: whole prompts while they fit in the
     engine's token budget, then the first chunk of the next (nothing cached before any)."""
     from bench.engine import workload
-    from minipaged.frontend import FrontEndArgs
     from minipaged.model import ModelConfig
-    lengths, left = [], FrontEndArgs().max_num_batched_tokens  # the default, as bench/engine.py
+    lengths, left = [], BUDGET
     for prompt in workload(ModelConfig.small(num_layers=2).vocab_size)[0]:
         lengths.append(min(len(prompt), left))
         left -= lengths[-1]
@@ -134,18 +138,23 @@ def one_side(case: str, side: str, calls: int) -> dict:
         lengths = torch.randint(100, 371, (16,), generator=generator).tolist()
     elif case == FIRST_STEP:
         lengths = first_mixed_step()
-    else:
-        lengths = [int(case.split()[1])] * (8 if case.endswith("250") else 2)
+    else:  # "prompts N": as many prompts of N tokens as fill one step's budget
+        lengths = [int(case.split()[1])] * max(1, BUDGET // int(case.split()[1]))
     layer, tables, keys, values = scattered(lengths)
     num_tokens = len(lengths) if case == "decode" else sum(lengths)  # one row a decode
     query = torch.randn(num_tokens, HEADS, HEAD_DIM, generator=generator)
     seq_lens = torch.tensor(lengths)
     starts = torch.arange(len(lengths) + 1) if case == "decode" else \
         torch.tensor([0] + lengths).cumsum(0)
-    plan = plan_batched_attention(tables, seq_lens, starts, BLOCK)
+    # the pieces: no prompt long enough to stay whole (the batched path as the engine's
+    # prompts meet it); the decode case has no prompt
+    plan = plan_batched_attention(tables, seq_lens, starts, BLOCK, causal_rows=max(lengths) + 1)
     scale, compile_s = HEAD_DIM ** -0.5, ""
-    if side == "batched":
+    if side in ("batched", "pieces"):
         run = lambda: batched_paged_attention(query, layer, plan)
+    elif side == "causal flag":  # every prompt whole: one call each, the flag, no mask
+        whole = plan_batched_attention(tables, seq_lens, starts, BLOCK, causal_rows=2)
+        run = lambda: batched_paged_attention(query, layer, whole)
     elif side == "compiled":
         # a fresh Inductor cache, so that the first call pays what a first run ever pays
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor_")
@@ -164,36 +173,18 @@ def one_side(case: str, side: str, calls: int) -> dict:
         extension = build_cpu_decode()
         compile_s = round(time.perf_counter() - start, 1)
         run = lambda: extension.paged_decode(query, layer, tables, seq_lens, scale)
-    elif side == "per prompt, causal flag":  # each prompt over its own fresh keys and values
-        bounds = starts.tolist()
-        def run():
-            out = torch.empty_like(query)
-            for a, b in zip(bounds, bounds[1:]):
-                out[a:b] = F.scaled_dot_product_attention(
-                    *(t[a:b].transpose(0, 1)[None] for t in (query, keys, values)),
-                    is_causal=True, enable_gqa=True)[0].transpose(0, 1)
-            return out
-    else:  # uncut, over the prompts' own keys and values: [S, heads, Q, head_dim]
-        num = len(lengths)
-        rows = query.view(num, -1, HEADS, HEAD_DIM).transpose(1, 2)
-        k, v = (t.view(num, -1, KV_HEADS, HEAD_DIM).transpose(1, 2) for t in (keys, values))
-        causal = side == "uncut, causal flag"
-        run = lambda: F.scaled_dot_product_attention(rows, k, v, is_causal=causal,
-                                                     enable_gqa=True).transpose(1, 2)
     got = run().reshape(query.shape)
     want = batched_paged_attention(query, layer, plan)
-    masked = side == "uncut, no mask"  # attends to later keys too: a different answer
-    difference = "" if masked else float((got - want).abs().max())
-    equal = masked or bool(torch.allclose(got, want, atol=1e-5, rtol=1e-5))
+    difference = float((got - want).abs().max())
+    equal = bool(torch.allclose(got, want, atol=1e-5, rtol=1e-5))
     return dict(times=timed(run, calls), compile_s=compile_s, equal=equal,
-                difference=difference)
+                difference=difference, sequences=len(lengths), tokens=num_tokens)
 
 
 FIRST_STEP = "engine's first step"
 CASES = {"decode": ["batched", "compiled", "in place, C++"],
-         FIRST_STEP: ["batched", "per prompt, causal flag"],
-         "prompts 250": ["batched", "uncut, causal flag", "uncut, no mask"],
-         "prompts 1024": ["batched", "uncut, causal flag", "uncut, no mask"]}
+         FIRST_STEP: ["pieces", "causal flag"],
+         **{f"prompts {n}": ["pieces", "causal flag"] for n in SWEEP}}
 
 
 def main() -> None:
@@ -211,7 +202,7 @@ def main() -> None:
         return
     rounds = 1 if args.quick else args.rounds
     found = {(c, s): [] for c, sides in CASES.items() for s in sides}
-    compile_s, equal, difference = {}, {}, {}
+    compile_s, equal, difference, sizes = {}, {}, {}, {}
     for round_ in range(rounds):
         for case, sides in CASES.items():
             for side in sides if round_ % 2 == 0 else sides[::-1]:
@@ -225,9 +216,11 @@ def main() -> None:
                     compile_s.setdefault((case, side), []).append(result["compile_s"])
                 equal[case, side] = result["equal"]
                 difference[case, side] = result["difference"]
+                sizes[case] = dict(sequences=result["sequences"], tokens=result["tokens"])
                 print(f"round {round_ + 1}: {case}, {side}: fastest "
                       f"{min(result['times']):.2f} ms", flush=True)
-    rows = [dict(case=case, side=side, threads=1, rounds=rounds, calls=args.calls,
+    rows = [dict(case=case, **sizes[case], side=side, threads=1, rounds=rounds,
+                 calls=args.calls,
                  best_ms=round(min(times), 3), median_ms=round(statistics.median(times), 3),
                  compile_s=max(compile_s[case, side]) if (case, side) in compile_s else "",
                  equal_to_batched=equal[case, side],

@@ -499,6 +499,7 @@ from hypothesis import assume, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from minipaged.kernels import (  # noqa: E402
+    CAUSAL_ROWS,
     DECODE_GROUP_SIZE,
     DECODE_GROUPS,
     PIECE_ROWS,
@@ -544,15 +545,19 @@ def mixed_batches(draw):
 @settings(max_examples=60, deadline=None)
 @given(batch=mixed_batches(), block_size=st.sampled_from([1, 2, 4, 8, 16, 32, 64]),
        heads=st.sampled_from([(1, 1), (1, 4), (2, 7), (3, 2), (4, 1)]),
-       head_dim=st.sampled_from([8, 16, 64]), seed=st.integers(0, 2**16))
+       head_dim=st.sampled_from([8, 16, 64]), seed=st.integers(0, 2**16),
+       causal_rows=st.sampled_from([1, 2, 33, CAUSAL_ROWS]))
 def test_batched_matches_the_reference_on_any_mixed_batch(batch, block_size, heads, head_dim,
-                                                          seed):
+                                                          seed, causal_rows):
     (contexts, queries), (num_kv_heads, group) = batch, heads
     assume(sum(queries) > 0)  # a step computes at least one token
     query, layer, tables, seq_lens, starts, _ = make_batch(
         contexts, queries, block_size, num_kv_heads, group, head_dim, torch.float32, seed)
     expected = reference_paged_attention(query, layer, tables, seq_lens, starts, scale=0.3)
-    out = paged_attention(query, layer, tables, seq_lens, starts, scale=0.3, backend="batched")
+    plan = plan_batched_attention(tables, seq_lens, starts, block_size,
+                                  causal_rows)  # short thresholds: whole prompts at any length
+    out = paged_attention(query, layer, tables, seq_lens, starts, scale=0.3, backend="batched",
+                          plan=plan)
     assert_close(out, expected, torch.float32)
 
 
@@ -638,6 +643,27 @@ def test_decode_groups_planned_in_one_pass_hold_what_each_group_planned_alone_wo
         alone = _plan_group(run, tables.numpy(), 16, tables.device)
         for field in fields(BatchedGroup):
             assert torch.equal(getattr(group, field.name), getattr(alone, field.name)), field.name
+
+
+def test_a_long_prompt_with_nothing_cached_is_one_causal_piece_and_matches_the_reference():
+    # a fresh prompt at the threshold, one past it, a chunk of the same length after cached
+    # context, a short fresh prompt and two decodes
+    contexts = [CAUSAL_ROWS, CAUSAL_ROWS + 77, CAUSAL_ROWS + 40, 60, 300, 9]
+    query_lens = [CAUSAL_ROWS, CAUSAL_ROWS + 77, CAUSAL_ROWS, 60, 1, 1]
+    query, layer, tables, seq_lens, starts, _ = make_batch(contexts, query_lens, 16, 1, 2, 16,
+                                                           dtype=torch.float32)
+    plan = plan_batched_attention(tables, seq_lens, starts, block_size=16)
+    wholes = [g for g in plan.groups if g.mask is None]
+    assert [_pieces(g, starts) for g in wholes] == [[(0, 0, CAUSAL_ROWS)],
+                                                    [(1, CAUSAL_ROWS, CAUSAL_ROWS + 77)]]
+    assert [tuple(g.blocks.shape) for g in wholes] == [(1, CAUSAL_ROWS // 16),
+                                                       (1, -(-(CAUSAL_ROWS + 77) // 16))]
+    expected = reference_paged_attention(query, layer, tables, seq_lens, starts)
+    assert_close(batched_paged_attention(query, layer, plan), expected, torch.float32)
+    cut = plan_batched_attention(tables, seq_lens, starts, block_size=16,
+                                 causal_rows=CAUSAL_ROWS + 78)  # nothing long enough: pieces
+    assert all(g.mask is not None for g in cut.groups)
+    assert_close(batched_paged_attention(query, layer, cut), expected, torch.float32)
 
 
 def test_a_plan_serves_every_layer_of_the_step():

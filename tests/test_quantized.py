@@ -5,6 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
+from minipaged.kernels import plan_batched_attention
 from minipaged.quantized import (
     E4M3_MAX,
     FORMAT_IDS,
@@ -104,6 +105,19 @@ def test_every_path_matches_the_widen_then_attend_reference(name, block_size):
         for backend in ("batched", "triton"):
             out = quantized_paged_attention(*batch, kv_format, 0.5, 0.25, backend=backend)
             torch.testing.assert_close(out, reference, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_the_batched_path_reads_whole_causal_prompts_from_codes_too(name):
+    kv_format = FORMATS[name]
+    query, layer, tables, lens, starts = random_batch(kv_format, 16, [20, 9, 300], [20, 1, 33])
+    reference = quantized_paged_attention(query, layer, tables, lens, starts, kv_format, 0.5,
+                                          0.25, backend="torch")
+    plan = plan_batched_attention(tables, lens, starts, 16, causal_rows=2)  # 20: whole
+    assert sum(group.mask is None for group in plan.groups) == 1
+    out = quantized_paged_attention(query, layer, tables, lens, starts, kv_format, 0.5, 0.25,
+                                    backend="batched", plan=plan)
+    torch.testing.assert_close(out, reference, atol=2e-5, rtol=2e-5)
 
 
 def test_scales_ride_in_the_block_so_a_block_copy_moves_them():
