@@ -51,13 +51,18 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench.engine import workload, write_results  # bench/engine.py's prompts, answers, CSVs
+from bench.engine import (  # bench/engine.py's machine note, prompts, answers and CSVs
+    machine_note,
+    workload,
+    write_results,
+)
 from minipaged.kernels import _gather_group, batched_paged_attention, plan_batched_attention
 
 RESULTS = Path(__file__).resolve().parent / "results"
 FIELDS = ["threads", "step", "sequences", "query_tokens", "context_tokens", "repeats",
           "paged_ms_best", "contiguous_ms_best", "paged_ms_median", "contiguous_ms_median",
-          "price_best", "price_median", "kept_ms_best", "kept_ms_median", "copy_price_median"]
+          "price_best", "price_median", "kept_ms_best", "kept_ms_median", "copy_price_median",
+          "machine"]
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 14, 2, 64, 16
 
 
@@ -162,6 +167,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="3 repeats, 1 thread, no CSV")
     parser.add_argument("--repeats", type=int, default=21)
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--machine", default="",
+                        help="a note on the machine for the CSV, after the CPU's model and cores, "
+                        "e.g. 'no other job running'")
     parser.add_argument("--one-process", action="store_true",
                         help="measure the first thread count here and print the rows as JSON")
     args = parser.parse_args()
@@ -175,7 +183,8 @@ def main() -> None:
                               "--threads", str(n), "--repeats", str(repeats)],
                              capture_output=True, text=True, check=True,
                              cwd=Path(__file__).resolve().parents[1])
-        rows += json.loads(run.stdout.strip().splitlines()[-1])
+        rows += [dict(row, machine=machine_note(args.machine))
+                 for row in json.loads(run.stdout.strip().splitlines()[-1])]
     for row in rows:
         print(f"{row['threads']} thr {row['step']:28} {row['sequences']} seqs, "
               f"{row['query_tokens']} query tokens: paged {row['paged_ms_best']:.3f} ms, "
