@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from bench.engine import machine_note, write_results
+from bench.engine import add_machine_option, machine_note, write_results
 
 FIELDS = ["threads", "side", "processes", "best_s", "median_s", "speedup_best",
           "speedup_median", "answers_equal", "machine"]
@@ -89,8 +89,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="1 round at 1 thread, no CSV")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--machine", default="",
-                        help="a note on the machine for the CSV, after the CPU's model and cores")
+    add_machine_option(parser)
     parser.add_argument("--one", nargs=3, help=argparse.SUPPRESS)  # a child: side, threads, dir
     args = parser.parse_args()
     if args.one:

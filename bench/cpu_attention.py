@@ -45,7 +45,11 @@ from pathlib import Path
 
 import torch
 
-from bench.engine import machine_note, write_results  # bench/engine.py's note and CSV writer
+from bench.engine import (  # bench/engine.py's note and CSV writer
+    add_machine_option,
+    machine_note,
+    write_results,
+)
 from minipaged.frontend import FrontEndArgs
 from minipaged.kernels import batched_paged_attention, plan_batched_attention, store_kv
 
@@ -192,8 +196,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="1 round, no CSV")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--calls", type=int, default=20)
-    parser.add_argument("--machine", default="",
-                        help="a note on the machine for the CSV, e.g. 'shared, 2 cores'")
+    add_machine_option(parser)
     parser.add_argument("--side", nargs=2, help=argparse.SUPPRESS)  # a child process's case
     args = parser.parse_args()
     torch.set_num_threads(1)

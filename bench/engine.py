@@ -181,6 +181,13 @@ def in_fresh_process(name: str, threads: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def add_machine_option(parser: argparse.ArgumentParser) -> None:
+    """The --machine option of every bench that writes a CSV: its note, for machine_note."""
+    parser.add_argument("--machine", default="",
+                        help="a note on the machine for the CSV, after the CPU's model and "
+                        "cores, e.g. 'no other job running'")
+
+
 def machine_note(note: str = "") -> str:
     """The CSVs' machine column: the CPU's model and the cores this process may use, then the
     note given on the command line (what else was running, say)."""
@@ -232,9 +239,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="1 round, 1 thread, no CSV")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--machine", default="",
-                        help="a note on the machine for the CSV, after the CPU's model and cores, "
-                        "e.g. 'no other job running'")
+    add_machine_option(parser)
     parser.add_argument("--one", nargs=2, help=argparse.SUPPRESS)  # a child: engine, threads
     args = parser.parse_args()
     if args.one:

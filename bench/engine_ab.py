@@ -104,12 +104,14 @@ def one_side(threads: int, repeats: int) -> dict:
 
 
 def main() -> None:
+    from engine import add_machine_option, machine_note  # bench/engine.py, beside this file
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base", help="the other checkout (a git worktree of the old commit)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--machine", default="", help="a note on the machine for the CSV")
+    add_machine_option(parser)
     parser.add_argument("--csv", action="store_true", help="write bench/results/engine_ab.csv")
     # a child process's threads and repeats
     parser.add_argument("--side", type=int, nargs=2, help=argparse.SUPPRESS)
@@ -131,7 +133,6 @@ def main() -> None:
                 found[threads, side].append(json.loads(out.stdout.strip().splitlines()[-1]))
                 print(f"{threads} thread(s), round {round_ + 1}, {side}: "
                       f"{found[threads, side][-1]['times']}", flush=True)
-    from engine import machine_note
     machine = machine_note(args.machine)
     rows = []
     for (threads, side), results in found.items():

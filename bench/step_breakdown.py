@@ -44,6 +44,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from bench.engine import (  # bench/engine.py's machine note, prompts, answers and CSVs
+    add_machine_option,
     machine_note,
     workload,
     write_results,
@@ -254,8 +255,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="1 repeat, 1 thread, no CSV")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--machine", default="",
-                        help="a note on the machine for the CSV, e.g. 'no other job running'")
+    add_machine_option(parser)
     args = parser.parse_args()
     repeats, threads = (1, [1]) if args.quick else (args.repeats, args.threads)
     machine = machine_note(args.machine)

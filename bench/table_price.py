@@ -52,6 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.engine import (  # bench/engine.py's machine note, prompts, answers and CSVs
+    add_machine_option,
     machine_note,
     workload,
     write_results,
@@ -167,9 +168,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="3 repeats, 1 thread, no CSV")
     parser.add_argument("--repeats", type=int, default=21)
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--machine", default="",
-                        help="a note on the machine for the CSV, after the CPU's model and cores, "
-                        "e.g. 'no other job running'")
+    add_machine_option(parser)
     parser.add_argument("--one-process", action="store_true",
                         help="measure the first thread count here and print the rows as JSON")
     args = parser.parse_args()
