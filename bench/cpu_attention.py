@@ -76,7 +76,7 @@ def scattered(lengths: list[int], seed: int = 0):
     seq = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
     store_kv(keys, values, layer, tables[seq, positions // BLOCK] * BLOCK + positions % BLOCK,
              backend="batched")
-    return layer, tables, keys, values
+    return layer, tables
 
 
 def attend_decodes(query, tokens, layer, blocks, mask, scale: float):
@@ -128,7 +128,7 @@ def after_the_prompts() -> None:
     glibc's threshold for handing memory straight from the system (chapter 5.2), so the decodes
     after it recycle their buffers instead of faulting fresh pages in."""
     lengths = first_mixed_step()
-    layer, tables, _, _ = scattered(lengths)
+    layer, tables = scattered(lengths)
     starts = torch.tensor([0] + lengths).cumsum(0)
     batched_paged_attention(torch.randn(sum(lengths), HEADS, HEAD_DIM), layer,
                             plan_batched_attention(tables, torch.tensor(lengths), starts, BLOCK))
@@ -144,7 +144,7 @@ def one_side(case: str, side: str, calls: int) -> dict:
         lengths = first_mixed_step()
     else:  # "prompts N": as many prompts of N tokens as fill one step's budget
         lengths = [int(case.split()[1])] * max(1, BUDGET // int(case.split()[1]))
-    layer, tables, keys, values = scattered(lengths)
+    layer, tables = scattered(lengths)
     num_tokens = len(lengths) if case == "decode" else sum(lengths)  # one row a decode
     query = torch.randn(num_tokens, HEADS, HEAD_DIM, generator=generator)
     seq_lens = torch.tensor(lengths)
