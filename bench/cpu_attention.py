@@ -7,7 +7,8 @@
    bench/engine.py's first mixed step (its first 2,048 prompt tokens: whole prompts of 8 to 249
    tokens and the first chunk of the next), and a sweep of equal prompts, as many of each
    length as fill that step's 2,048 tokens, from 256 to 2,048 tokens. The plan's own threshold,
-   ``CAUSAL_ROWS``, is chosen from the sweep.
+   ``CAUSAL_ROWS``, is chosen from the sweep.  Each case's sequences, their tokens, and the
+   shortest and longest sequence (a prompt's length, a decode's context) go to the CSV.
 2. **Does a compiled decode beat the gathers?** One layer of a decode step of 16 sequences over
    contexts of 100 to 370 tokens, in a pool the size of bench/engine.py's, after one untimed run
    of the engine's first step (as in the engine, whose decodes come after its prompts' steps and
@@ -53,8 +54,9 @@ from bench.engine import (  # bench/engine.py's note and CSV writer
 from minipaged.frontend import FrontEndArgs
 from minipaged.kernels import batched_paged_attention, plan_batched_attention, store_kv
 
-FIELDS = ["case", "sequences", "tokens", "side", "threads", "rounds", "calls", "best_ms",
-          "median_ms", "compile_s", "equal_to_batched", "max_abs_diff", "machine"]
+FIELDS = ["case", "sequences", "tokens", "shortest", "longest", "side", "threads", "rounds",
+          "calls", "best_ms", "median_ms", "compile_s", "equal_to_batched", "max_abs_diff",
+          "machine"]
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 14, 2, 64, 16  # Qwen2.5-0.5B's attention geometry
 POOL_BLOCKS = 8192  # bench/engine.py's pool: 256 MiB over 2 layers of fp32 blocks of 16
 SWEEP = (256, 512, 768, 1024, 1536, 2048)  # prompt lengths, around CAUSAL_ROWS
@@ -182,7 +184,8 @@ def one_side(case: str, side: str, calls: int) -> dict:
     difference = float((got - want).abs().max())
     equal = bool(torch.allclose(got, want, atol=1e-5, rtol=1e-5))
     return dict(times=timed(run, calls), compile_s=compile_s, equal=equal,
-                difference=difference, sequences=len(lengths), tokens=num_tokens)
+                difference=difference, sequences=len(lengths), tokens=num_tokens,
+                shortest=min(lengths), longest=max(lengths))
 
 
 FIRST_STEP = "engine's first step"
@@ -219,7 +222,8 @@ def main() -> None:
                     compile_s.setdefault((case, side), []).append(result["compile_s"])
                 equal[case, side] = result["equal"]
                 difference[case, side] = result["difference"]
-                sizes[case] = dict(sequences=result["sequences"], tokens=result["tokens"])
+                sizes[case] = {k: result[k] for k in ("sequences", "tokens", "shortest",
+                                                      "longest")}
                 print(f"round {round_ + 1}: {case}, {side}: fastest "
                       f"{min(result['times']):.2f} ms", flush=True)
     rows = [dict(case=case, **sizes[case], side=side, threads=1, rounds=rounds,

@@ -61,7 +61,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 FIELDS = ["threads", "engine", "repeats", "requested_tokens", "best_s", "median_s",
           "best_tokens_per_s", "median_tokens_per_s", "minipaged_speedup_best",
           "minipaged_speedup_median", "best_cpu_s", "median_cpu_s", "minipaged_cpu_speedup_median",
-          "cache_reserved_bytes", "cache_used_bytes", "answers_equal", "machine"]
+          "cache_reserved_bytes", "cache_used_bytes", "answers_equal", "shortest_prompt",
+          "longest_prompt", "shortest_answer", "longest_answer", "machine"]
 
 
 def workload(vocab_size: int, num_prompts: int = 32, seed: int = 0):
@@ -254,7 +255,10 @@ def main() -> None:
           f"{repeats} rounds at {threads} thread(s), a fresh process for every run")
     start = time.perf_counter()
     machine = machine_note(args.machine)
-    rows = [row for n in threads for row in measure(ENGINES, repeats, n, requested, machine)]
+    drawn = dict(shortest_prompt=min(lengths), longest_prompt=max(lengths),
+                 shortest_answer=min(answers), longest_answer=max(answers))  # for the chapters
+    rows = [dict(row, **drawn) for n in threads
+            for row in measure(ENGINES, repeats, n, requested, machine)]
     for row in rows:
         print(f"{row['threads']} thr  {row['engine']:42} best {row['best_tokens_per_s']:8,.0f} "
               f"median {row['median_tokens_per_s']:8,.0f} tok/s  minipaged x"

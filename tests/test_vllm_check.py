@@ -127,3 +127,27 @@ def test_v0_rows_are_checked_against_the_v0_release(tmp_path, release):
     write_page(tmp_path)
     stale = vllm_check.check(release, tmp_path, v0_release=release)  # a v1 release has no v0
     assert stale == ["chapters/99_x.md:12: no file vllm/core/block_manager.py (vLLM v0)"], stale
+
+
+@pytest.mark.parametrize("difference, stale", [
+    ("vLLM's `BlockPool.get_new_blocks` hands out `free_block_queue_class`", False),
+    ("minipaged's `Pool.take`, attached to `Pool`, and `check_pool`", False),
+    ('values are quoted, `"fp8_inc"`; other libraries prefixed, `torch.repeat_interleave`', False),
+    ("vLLM's `BlockPool.vanished`", True),
+    ("a bare value, `fp8_inc`", True),
+])
+def test_names_in_the_difference_column_are_vllms_or_minipageds(tmp_path, release, difference,
+                                                                stale):
+    """A name in the difference column must be defined in the release or in the package:
+    ``Pool.take`` through ``@add_to_class(Pool)``, as the chapters attach methods."""
+    (tmp_path / "minipaged").mkdir()
+    (tmp_path / "minipaged" / "pool.py").write_text(
+        "class Pool:\n    pass\n\n\n@add_to_class(Pool)\ndef take(self):\n    pass\n\n\n"
+        "def check_pool(pool):\n    pass\n")
+    row = f"| `Pool` | `BlockPool`, `vllm/v1/core/block_pool.py` | {difference} |"
+    page = write_page(tmp_path, row)
+    line = page.read_text().splitlines().index(row) + 1
+    found = vllm_check.check(release, tmp_path)
+    assert bool(found) == stale, found
+    assert all(f.startswith(f"chapters/99_x.md:{line}: ") and "difference column" in f
+               for f in found)

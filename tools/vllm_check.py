@@ -12,7 +12,9 @@ symbols they define (``BlockPool.get_new_blocks``). This tool
 2. parses every map of ``chapters/*.md`` and ``book/*.md`` (the maps themselves are the list)
    and checks that each path exists in the release and each symbol of the vLLM column is
    defined there: a class, a function, ``Class.method``, a module-level name, a class attribute
-   or ``self.attribute``, an enum member, a parameter. A stale entry is printed as
+   or ``self.attribute``, an enum member, a parameter. A name in the difference column must be
+   defined in the release or in minipaged itself (a value is quoted, ``"auto"``; another
+   library's name carries its prefix, ``torch.``). A stale entry is printed as
    ``chapters/NN_slug.md:LINE: ...`` and the exit status is 1.
 
 How a map cell is read. The vLLM column is split at semicolons into segments. A symbol is looked
@@ -150,6 +152,21 @@ def defined_names(source: str) -> set[str]:
     return names
 
 
+def package_names(root: Path = ROOT) -> set[str]:
+    """The names minipaged defines, as defined_names reads them, plus ``C.f`` for every
+    function a chapter attaches to a class with ``@add_to_class(C)``."""
+    names: set[str] = set()
+    for module in sorted((root / "minipaged").rglob("*.py")):
+        source = module.read_text()
+        names |= defined_names(source)
+        for node in ast.parse(source).body:
+            if isinstance(node, ast.FunctionDef):
+                names.update(f"{d.args[0].id}.{node.name}" for d in node.decorator_list
+                             if isinstance(d, ast.Call) and getattr(d.func, "id", "")
+                             == "add_to_class" and d.args and isinstance(d.args[0], ast.Name))
+    return names
+
+
 class Release:
     """The Python files of one unpacked release and the names each defines (read lazily)."""
 
@@ -187,7 +204,7 @@ class Release:
 class Entry:
     file: str
     line: int
-    kind: str  # "path" or "symbol"
+    kind: str  # "path", "symbol", or "mention" (a name in the difference column)
     name: str
     paths: list[str]  # where a symbol is looked up; [] for the whole release
     cell_paths: list[str] = field(default_factory=list)  # then the files of its whole cell
@@ -236,7 +253,7 @@ def entries(page: Path, root: Path = ROOT) -> list[Entry]:
     rel = page.relative_to(root).as_posix() if page.is_relative_to(root) else str(page)
     found: list[Entry] = []
     for start, block in maps(page.read_text()):
-        column = None
+        column = differ = None
         for offset, line in enumerate(block):
             lineno = start + offset
             is_row = line.lstrip().startswith("|")
@@ -244,6 +261,7 @@ def entries(page: Path, root: Path = ROOT) -> list[Entry]:
             if is_row and column is None:  # the header: find the vLLM column
                 column = next((k for k, c in enumerate(row) if "vLLM" in c
                                and "minipaged" not in c), 1)
+                differ = next((k for k, c in enumerate(row) if "difference" in c.lower()), None)
                 continue
             if is_row and set("".join(row)) <= set("-: "):
                 continue
@@ -252,6 +270,11 @@ def entries(page: Path, root: Path = ROOT) -> list[Entry]:
                 for token in ticks:  # paths anywhere in the map
                     if token.endswith(".py"):
                         found.append(Entry(rel, lineno, "path", token, []))
+                if is_row and k == differ and column < len(row):  # vLLM's names or ours
+                    v0_row = re.match(r"\s*v0\b", row[column]) is not None
+                    row_paths = [t for t in TICKED.findall(row[column]) if t.endswith(".py")]
+                    found += [Entry(rel, lineno, "mention", token, [], row_paths, v0=v0_row)
+                              for token in ticks if is_symbol(token)]
                 if not is_row or k != column:
                     continue
                 cell_paths = [t for t in ticks if t.endswith(".py")]
@@ -306,13 +329,36 @@ def resolve(entry: Entry, release: Release) -> str | None:
     return f"{entry.name} is not defined in {where}"
 
 
+def mentioned(entry: Entry, releases: list[Release], ours: set[str]) -> str | None:
+    """None when a name of the difference column is defined in one of the releases (the files
+    of its row's vLLM cell first, then anywhere) or in minipaged, else why not."""
+    for release in releases:
+        cell = [p for p in entry.cell_paths if p.startswith("vllm/") and release.has(p)]
+        if (cell and release.defines(entry.name, cell)) or release.defines(entry.name, []):
+            return None
+    if any(name == entry.name or name.endswith("." + entry.name) for name in ours):
+        return None
+    return (f"{entry.name}, in the difference column, is defined neither in the release nor "
+            f"in minipaged (quote a value, `\"auto\"`; prefix another library's name, "
+            f"`torch.`)")
+
+
 def check(release: Release, root: Path = ROOT, verbose: bool = False,
           v0_release: Release | None = None) -> list[str]:
     """The stale entries of every map, as ``file:line: message`` lines; a v0 row's entries are
-    looked up in v0_release (not checkable without one)."""
+    looked up in v0_release (not checkable without one). A name in a difference column may be
+    vLLM's (in a v0 row, of either release) or minipaged's."""
     stale, unchecked, seen = [], [], 0
+    ours = package_names(root)
     for page in pages(root):
         for entry in entries(page, root):
+            if entry.kind == "mention":
+                seen += 1
+                why = mentioned(entry, [release] + ([v0_release] if entry.v0 and v0_release
+                                                    else []), ours)
+                if why:
+                    stale.append(f"{entry.file}:{entry.line}: {why}")
+                continue
             if entry.v0 and v0_release is None and entry.checkable:
                 entry.checkable, entry.why = False, "vLLM v0, not in a v1 release"
             if not entry.checkable:
