@@ -53,6 +53,9 @@ PLANTED = {
     "map": ('<div class="admonition"><div style="overflow-x: auto"><table><tr>'
             '<td style="white-space: nowrap">' + "vllm/v1/core/kv_cache_utils.py " * 12
             + "</td></tr></table></div></div>", "table wider than the text column"),
+    "header": ('<table><tr><th style="overflow-wrap: anywhere; width: 2em">preemptions</th>'
+               '<th>study</th></tr><tr><td>0</td><td>12 KiB</td></tr></table>',
+               "header's word broken across lines: 'preemptions'"),
 }
 
 
@@ -119,7 +122,7 @@ def problems(tmp_path_factory) -> dict[str, list[str]]:
             html = chapter(number)
         else:
             part = "player" if name.startswith("player") else {
-                "text_table": "table", "directive": "code"}.get(name, name)
+                "text_table": "table", "directive": "code", "header": "table"}.get(name, name)
             html = chapter(number, **{part: PLANTED[name][0]})
         (root / "chapters" / f"{number:02d}_demo.html").write_text(html)
     shots = root.parent / "shots"

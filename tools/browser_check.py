@@ -14,6 +14,7 @@ other host blocked, so the book is read as it would be offline. A page fails on:
 - a code cell wider than the page at 1280 px, or a chapter code line over 100 columns;
 - any other table of a chapter (a vLLM map, say) wider than the box that holds it, so that part
   of it hides behind a sideways scroll;
+- a word of a chapter table's header (outside code spans) drawn on two lines, "thr/ea/ds";
 - an image without real alt text (none, or an image hash);
 - a code cell that shows its `#| export` line (book/_static/minipaged.js hides them);
 - a broken internal link (to a page or file that is not in the build, or to a missing anchor);
@@ -107,6 +108,26 @@ async () => {
     }
     measured = {tables: tables.length, wide: wide, id: section.id || ""};
   }
+  // A table header's word drawn on two lines ("thr/ea/ds"): its column was made narrower than
+  // the word. Names in code spans may wrap (a long path must); words of four letters or more.
+  function brokenHeaderWords() {
+    const broken = [];
+    for (const th of document.querySelectorAll("article table th")) {
+      if (th.closest(".cell_input")) continue;
+      const walker = document.createTreeWalker(th, NodeFilter.SHOW_TEXT, {acceptNode: node =>
+        node.parentElement.closest("code") ? NodeFilter.FILTER_REJECT : NodeFilter.FILTER_ACCEPT});
+      for (let node = walker.nextNode(); node; node = walker.nextNode()) {
+        for (const word of node.data.matchAll(/[A-Za-z][A-Za-z'’]{3,}/g)) {
+          const range = document.createRange();
+          range.setStart(node, word.index);
+          range.setEnd(node, word.index + word[0].length);
+          const lines = new Set(Array.from(range.getClientRects(), r => Math.round(r.top)));
+          if (lines.size > 1) broken.push(word[0]);
+        }
+      }
+    }
+    return broken;
+  }
   const overflowing = sel => Array.from(document.querySelectorAll(sel))
     .filter(el => el.scrollWidth > el.clientWidth + 1).length;
   return {
@@ -124,6 +145,7 @@ async () => {
       .filter(t => !t.closest(".cell_input") && t.parentElement
                    && t.scrollWidth > t.parentElement.clientWidth + 1)
       .map(t => t.textContent.trim().replace(/\s+/g, " ").slice(0, 60)),
+    brokenHeaders: brokenHeaderWords(),
     outputs: document.querySelectorAll(".cell_output pre").length,
     wideOutputs: overflowing(".cell_output pre"),
   };
@@ -324,6 +346,8 @@ def check_page(page, base: str, path: str, screenshots: Path | None,
     if chapter:
         report.problems += [f"table wider than the text column at {WIDTH} px: {text!r}"
                             for text in result["wideTables"]]
+        report.problems += [f"a table header's word broken across lines: {word!r}"
+                            for word in result["brokenHeaders"]]
         notebook = Path(path).with_suffix(".ipynb").name
         if not any(notebook in href for href in result["colab"]):
             report.problems.append(f"no Colab link to {notebook}")
