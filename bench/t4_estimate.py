@@ -20,11 +20,12 @@ No GPU has run the chapters yet, so this script estimates, from things it can st
 * **Chapters without GPU work** (the simulations of chapters 2 and 3) are timed here, on this
   CPU, at full size (``--run-cpu-chapters``; MINIPAGED_SCALE=full), as Colab's CPU would run them.
 
-Not included, and said so in each row's ``not counted`` column: installing minipaged,
+Not included, and said so in each chapter's ``not counted`` note: installing minipaged,
 downloading the checkpoint, Triton's first compilation of each kernel variant a chapter launches
 (chapter 5 alone compiles some thirty; no GPU has timed a compilation yet), and chapter 5's
 kernel timings (bench/gpu_check measures those on a GPU).
-Writes bench/results/t4_estimate.csv; book/colab.md shows it.
+Writes bench/results/t4_estimate.csv (the numbers) and t4_estimate_notes.csv (how each chapter
+was estimated, and what it leaves out); book/colab.md shows both.
 
     python bench/t4_estimate.py                     # CPU chapters' times kept from the last CSV
     python bench/t4_estimate.py --run-cpu-chapters  # time chapters 2 and 3 at full size again
@@ -44,10 +45,12 @@ from minipaged.serving import T4_BYTES_PER_S, T4_FP16_FLOPS, HostCost  # one def
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results" / "t4_estimate.csv"
+NOTES_CSV = RESULTS.with_name("t4_estimate_notes.csv")
 CPU_CHAPTERS = ("02_fragmentation", "03_block_pool")
 FIELDS = ["chapter", "peak GiB on a T4 (ledger)", "steps", "of which preemption",
           "prompt tokens", "recomputed tokens", "uncounted requests", "floor min", "host s/step",
-          "estimate min", "how", "not counted"]
+          "estimate min"]
+NOTE_FIELDS = ["chapter", "how", "not counted"]  # a table of their own: a page holds it whole
 GPU_SETUP = "install, checkpoint download, Triton compilation"  # what no row counts
 # What a row leaves out besides: chapters that never launch a kernel compile nothing.
 NOT_COUNTED = {"01_kv_memory": "install, checkpoint download (transformers runs no Triton kernel)",
@@ -129,11 +132,12 @@ def main() -> None:
                      "how": how, "not counted": NOT_COUNTED.get(chapter, GPU_SETUP)})
         print(rows[-1])
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    with open(RESULTS, "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=FIELDS)
-        writer.writeheader()
-        writer.writerows(rows)
-    print(f"wrote {RESULTS.relative_to(ROOT)}")
+    for path, fields in ((RESULTS, FIELDS), (NOTES_CSV, NOTE_FIELDS)):
+        with open(path, "w", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=fields, extrasaction="ignore")
+            writer.writeheader()
+            writer.writerows(rows)
+        print(f"wrote {path.relative_to(ROOT)}")
 
 
 if __name__ == "__main__":
