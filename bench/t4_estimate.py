@@ -48,8 +48,8 @@ RESULTS = ROOT / "bench" / "results" / "t4_estimate.csv"
 NOTES_CSV = RESULTS.with_name("t4_estimate_notes.csv")
 CPU_CHAPTERS = ("02_fragmentation", "03_block_pool")
 FIELDS = ["chapter", "peak GiB on a T4 (ledger)", "steps", "of which preemption",
-          "prompt tokens", "recomputed tokens", "uncounted requests", "floor min", "host s/step",
-          "estimate min"]
+          "prompt tokens", "recomputed tokens", "uncounted requests", "floor min", "host min",
+          "estimate min"]  # floor + host = estimate, each rounded
 NOTE_FIELDS = ["chapter", "how", "not counted"]  # a table of their own: a page holds it whole
 GPU_SETUP = "install, checkpoint download, Triton compilation"  # what no row counts
 # What a row leaves out besides: chapters that never launch a kernel compile nothing.
@@ -110,26 +110,32 @@ def main() -> None:
         parameters = work.weight_bytes / 2  # fp16
         floor = (work.steps * work.weight_bytes / T4_BYTES_PER_S
                  + 2 * parameters * (work.prompt_tokens + work.recomputed_tokens) / T4_FP16_FLOPS)
-        estimate = (floor + work.steps * host.launches_seconds
-                    + work.generated_tokens * host.per_request_seconds)
+        host_seconds = (work.steps * host.launches_seconds
+                        + work.generated_tokens * host.per_request_seconds)
+        estimate = floor + host_seconds
         how = "floor + host model (launches per step, work per generated token)"
         if chapter in CPU_CHAPTERS:
             seconds = (cpu_chapter_seconds(chapter) if args.run_cpu_chapters
                        else previous_minutes(before, chapter) * 60)
-            floor, estimate, how = float("nan"), seconds, "measured at full size on this CPU"
+            floor, host_seconds, estimate = float("nan"), float("nan"), seconds
+            how = "measured at full size on this CPU"
         elif not work.steps:
             how = "no model steps counted"
         how = NOTES.get(chapter, how)
         peak = result.peak.total / 2**30 if result.peak else 0.0
+        minutes = lambda seconds: "—" if seconds != seconds else f"{seconds / 60:.2f}"  # NaN: —
+        left_out = NOT_COUNTED.get(chapter, GPU_SETUP) + (
+            f", {work.unknown_requests} requests the ledger cannot follow"
+            if work.unknown_requests else "")
         rows.append({"chapter": chapter, "peak GiB on a T4 (ledger)": f"{peak:.2f}",
-                     "steps": work.steps, "of which preemption": work.preemption_steps,
-                     "prompt tokens": work.prompt_tokens,
-                     "recomputed tokens": work.recomputed_tokens,
-                     "uncounted requests": work.unknown_requests,
-                     "floor min": "" if floor != floor else f"{floor / 60:.2f}",
-                     "host s/step": f"{host.launches_seconds:.4f}" if work.steps else "",
+                     "steps": f"{work.steps:,}",
+                     "of which preemption": f"{work.preemption_steps:,}",
+                     "prompt tokens": f"{work.prompt_tokens:,}",
+                     "recomputed tokens": f"{work.recomputed_tokens:,}",
+                     "uncounted requests": f"{work.unknown_requests:,}",
+                     "floor min": minutes(floor), "host min": minutes(host_seconds),
                      "estimate min": f"{estimate / 60:.1f}" if estimate >= 6 else "< 0.1",
-                     "how": how, "not counted": NOT_COUNTED.get(chapter, GPU_SETUP)})
+                     "how": how, "not counted": left_out})
         print(rows[-1])
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     for path, fields in ((RESULTS, FIELDS), (NOTES_CSV, NOTE_FIELDS)):
