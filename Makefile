@@ -48,9 +48,11 @@ $(LOCK_VENV)/.installed:
 lock: $(LOCK_VENV)/.installed
 	$(LOCK_VENV)/bin/python -m tools.lock compile $(if $(UPGRADE),--upgrade)
 
-## Build the book into _build/html, executing every chapter; warnings are errors.
+## Build the book into _build/html, executing every chapter; warnings are errors. --all writes
+## every page and copies book/_static again even when no page changed (Sphinx skips both after a
+## change to the CSS alone); the executed notebooks still come from the jupyter-cache.
 book: $(STAMP)
-	$(BIN)/jupyter-book build . --warningiserror --keep-going
+	$(BIN)/jupyter-book build . --all --warningiserror --keep-going
 
 ## Open every page of the built book in headless Chromium at 1280 px (run `make book` first):
 ## first prove the checker catches planted defects, then check the book; screenshots in _build/.
