@@ -132,6 +132,10 @@ def test_v0_rows_are_checked_against_the_v0_release(tmp_path, release):
 @pytest.mark.parametrize("difference, stale", [
     ("vLLM's `BlockPool.get_new_blocks` hands out `free_block_queue_class`", False),
     ("minipaged's `Pool.take`, attached to `Pool`, and `check_pool`", False),
+    ("`Pool.taken`, set on self by the attached `take`", False),
+    ("`num_blocks`, a parameter of the row's own file", False),
+    ("`hash_fn`, a parameter of another file only", True),
+    ("`pool`, a parameter of minipaged only", True),
     ('values are quoted, `"fp8_inc"`; other libraries prefixed, `torch.repeat_interleave`', False),
     ("vLLM's `BlockPool.vanished`", True),
     ("a bare value, `fp8_inc`", True),
@@ -142,7 +146,7 @@ def test_names_in_the_difference_column_are_vllms_or_minipageds(tmp_path, releas
     ``Pool.take`` through ``@add_to_class(Pool)``, as the chapters attach methods."""
     (tmp_path / "minipaged").mkdir()
     (tmp_path / "minipaged" / "pool.py").write_text(
-        "class Pool:\n    pass\n\n\n@add_to_class(Pool)\ndef take(self):\n    pass\n\n\n"
+        "class Pool:\n    pass\n\n\n@add_to_class(Pool)\ndef take(self):\n    self.taken = 1\n\n\n"
         "def check_pool(pool):\n    pass\n")
     row = f"| `Pool` | `BlockPool`, `vllm/v1/core/block_pool.py` | {difference} |"
     page = write_page(tmp_path, row)

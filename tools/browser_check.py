@@ -14,7 +14,7 @@ other host blocked, so the book is read as it would be offline. A page fails on:
 - a code cell wider than the page at 1280 px, or a chapter code line over 100 columns;
 - any other table of a chapter (a vLLM map, say) wider than the box that holds it, so that part
   of it hides behind a sideways scroll;
-- a word of a chapter table's header (outside code spans) drawn on two lines, "thr/ea/ds";
+- a word of a table's header (outside code spans), on any page, drawn on two lines, "thr/ea/ds";
 - an image without real alt text (none, or an image hash);
 - a code cell that shows its `#| export` line (book/_static/minipaged.js hides them);
 - a broken internal link (to a page or file that is not in the build, or to a missing anchor);
@@ -337,6 +337,8 @@ def check_page(page, base: str, path: str, screenshots: Path | None,
     report.problems += [f"math not typeset: {text}" for text in result["untypeset"]]
     report.problems += [f"raw TeX in text: {text!r}" for text in result["rawTex"]
                         if RAW_TEX.search(text)]
+    report.problems += [f"a table header's word broken across lines: {word!r}"
+                        for word in result["brokenHeaders"]]  # every page's tables
     chapter = CHAPTER_PAGE.match(path)
     if chapter and result["directivesShown"]:
         report.problems.append(f"{result['directivesShown']} code cell(s) show their #| lines")
@@ -346,8 +348,6 @@ def check_page(page, base: str, path: str, screenshots: Path | None,
     if chapter:
         report.problems += [f"table wider than the text column at {WIDTH} px: {text!r}"
                             for text in result["wideTables"]]
-        report.problems += [f"a table header's word broken across lines: {word!r}"
-                            for word in result["brokenHeaders"]]
         notebook = Path(path).with_suffix(".ipynb").name
         if not any(notebook in href for href in result["colab"]):
             report.problems.append(f"no Colab link to {notebook}")

@@ -112,10 +112,18 @@ def _targets(node: ast.AST) -> list[str]:
     return []
 
 
-def defined_names(source: str) -> set[str]:
+def defined_names(source: str, parameters: bool = True) -> set[str]:
     """Qualified names a module defines: ``f``, ``C``, ``C.m``, ``C.attr`` (class level or
-    ``self.attr = ...`` in a method), ``NAME`` (module level), and ``f.param``."""
+    ``self.attr = ...`` in a method), ``NAME`` (module level), and ``f.param`` (with
+    parameters)."""
+    names, params = _definitions(source)
+    return names | params if parameters else names
+
+
+def _definitions(source: str) -> tuple[set[str], set[str]]:
+    """defined_names' two parts, from one parse: the names, then the functions' parameters."""
     names: set[str] = set()
+    params: set[str] = set()
 
     def visit(body: list[ast.stmt], prefix: str, cls: str | None) -> None:
         for node in body:
@@ -126,7 +134,7 @@ def defined_names(source: str) -> set[str]:
                 qual = prefix + node.name
                 names.add(qual)
                 every = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
-                names.update(f"{qual}.{arg.arg}" for arg in every)
+                params.update(f"{qual}.{arg.arg}" for arg in every)
                 if cls is not None:
                     for inner in ast.walk(node):
                         targets = (inner.targets if isinstance(inner, ast.Assign) else
@@ -149,21 +157,38 @@ def defined_names(source: str) -> set[str]:
                     visit(handler.body, prefix, cls)
 
     visit(ast.parse(source).body, "", None)
-    return names
+    return names, params
+
+
+def _attached_to(node: ast.stmt) -> str | None:
+    """``C`` for a function decorated ``@add_to_class(C)`` (or ``(module.C)``), else None."""
+    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return None
+    for decorator in node.decorator_list:
+        if (isinstance(decorator, ast.Call) and getattr(decorator.func, "id", "") == "add_to_class"
+                and decorator.args):
+            target = decorator.args[0]
+            return target.id if isinstance(target, ast.Name) else getattr(target, "attr", None)
+    return None
 
 
 def package_names(root: Path = ROOT) -> set[str]:
-    """The names minipaged defines, as defined_names reads them, plus ``C.f`` for every
-    function a chapter attaches to a class with ``@add_to_class(C)``."""
+    """The names minipaged defines, as defined_names reads them without parameters, plus
+    ``C.f`` for every function a chapter attaches to a class with ``@add_to_class(C)``, and
+    ``C.attr`` for each ``self.attr = ...`` in it."""
     names: set[str] = set()
     for module in sorted((root / "minipaged").rglob("*.py")):
         source = module.read_text()
-        names |= defined_names(source)
+        names |= defined_names(source, parameters=False)
         for node in ast.parse(source).body:
-            if isinstance(node, ast.FunctionDef):
-                names.update(f"{d.args[0].id}.{node.name}" for d in node.decorator_list
-                             if isinstance(d, ast.Call) and getattr(d.func, "id", "")
-                             == "add_to_class" and d.args and isinstance(d.args[0], ast.Name))
+            owner = _attached_to(node)
+            if owner is None:
+                continue
+            names.add(f"{owner}.{node.name}")
+            names.update(f"{owner}.{target.attr}" for inner in ast.walk(node)
+                         for target in getattr(inner, "targets", [getattr(inner, "target", None)])
+                         if isinstance(target, ast.Attribute)
+                         and isinstance(target.value, ast.Name) and target.value.id == "self")
     return names
 
 
@@ -174,7 +199,8 @@ class Release:
         self.root = root
         self.paths = sorted(p.relative_to(root).as_posix()
                             for p in (root / "vllm").rglob("*.py"))
-        self._names: dict[str, set[str]] = {}
+        self._names: dict[str, tuple[set[str], set[str]]] = {}
+        self._tails: set[str] | None = None  # declares' index of the whole release
 
     def has(self, path: str) -> bool:
         return (self.root / path).is_file()
@@ -182,13 +208,32 @@ class Release:
     def tail(self, suffix: str) -> list[str]:
         return [p for p in self.paths if p == suffix or p.endswith("/" + suffix)]
 
-    def names(self, path: str) -> set[str]:
+    def _parts(self, path: str) -> tuple[set[str], set[str]]:
         if path not in self._names:
             try:
-                self._names[path] = defined_names((self.root / path).read_text())
+                self._names[path] = _definitions((self.root / path).read_text())
             except SyntaxError:
-                self._names[path] = set()
+                self._names[path] = (set(), set())
         return self._names[path]
+
+    def names(self, path: str) -> set[str]:
+        members, params = self._parts(path)
+        return members | params
+
+    def members(self, path: str) -> set[str]:
+        """The names of ``path`` without the functions' parameters."""
+        return self._parts(path)[0]
+
+    def declares(self, symbol: str, paths: list[str]) -> bool:
+        """defines, without counting a function's parameter as a name it declares."""
+        if not paths:  # the whole release: every dotted tail of every name, gathered once
+            if self._tails is None:
+                self._tails = {".".join(parts[i:]) for path in self.paths
+                               for parts in map(lambda n: n.split("."), self.members(path))
+                               for i in range(len(parts))}
+            return symbol in self._tails
+        return any(name == symbol or name.endswith("." + symbol)
+                   for path in paths for name in self.members(path))
 
     def defines(self, symbol: str, paths: list[str]) -> bool:
         for path in paths or self.paths:
@@ -330,11 +375,12 @@ def resolve(entry: Entry, release: Release) -> str | None:
 
 
 def mentioned(entry: Entry, releases: list[Release], ours: set[str]) -> str | None:
-    """None when a name of the difference column is defined in one of the releases (the files
-    of its row's vLLM cell first, then anywhere) or in minipaged, else why not."""
+    """None when a name of the difference column is defined in the files of its row's vLLM
+    cell (a parameter counts), or declared anywhere in one of the releases or in minipaged (a
+    parameter does not: too many names would pass), else why not."""
     for release in releases:
         cell = [p for p in entry.cell_paths if p.startswith("vllm/") and release.has(p)]
-        if (cell and release.defines(entry.name, cell)) or release.defines(entry.name, []):
+        if (cell and release.defines(entry.name, cell)) or release.declares(entry.name, []):
             return None
     if any(name == entry.name or name.endswith("." + entry.name) for name in ours):
         return None
@@ -352,6 +398,10 @@ def check(release: Release, root: Path = ROOT, verbose: bool = False,
     ours = package_names(root)
     for page in pages(root):
         for entry in entries(page, root):
+            if entry.kind == "mention" and entry.v0 and v0_release is None:
+                unchecked.append(f"{entry.file}:{entry.line}: {entry.name} (vLLM v0, not in a "
+                                 f"v1 release)")
+                continue
             if entry.kind == "mention":
                 seen += 1
                 why = mentioned(entry, [release] + ([v0_release] if entry.v0 and v0_release
