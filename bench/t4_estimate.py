@@ -85,7 +85,7 @@ def cpu_chapter_seconds(chapter: str) -> float:
 def previous_rows() -> dict[str, dict]:
     if not RESULTS.exists():
         return {}
-    with open(RESULTS, newline="") as handle:
+    with open(RESULTS, newline="", encoding="utf-8") as handle:
         return {row["chapter"]: row for row in csv.DictReader(handle)}
 
 
@@ -139,7 +139,7 @@ def main() -> None:
         print(rows[-1])
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     for path, fields in ((RESULTS, FIELDS), (NOTES_CSV, NOTE_FIELDS)):
-        with open(path, "w", newline="") as handle:
+        with open(path, "w", newline="", encoding="utf-8") as handle:
             writer = csv.DictWriter(handle, fieldnames=fields, extrasaction="ignore")
             writer.writeheader()
             writer.writerows(rows)
